@@ -1,0 +1,36 @@
+"""The engine protocol.
+
+An engine is stateless as far as callers can tell: a request carries the *full* prompt token ids
+every turn (this is what the OpenAI-compatible completions API of vLLM / SGLang takes, where
+server-side prefix caching makes it cheap). An in-process engine may keep KV caches per
+``session`` and reuse them when a new prompt extends the old one; results never depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from gyre.types import Completion, GenerationRequest, SamplingParams
+
+
+@runtime_checkable
+class Engine(Protocol):
+    version: int
+    """Policy version of the weights currently loaded (0 = initial)."""
+
+    def generate(
+        self, requests: list[GenerationRequest], params: SamplingParams
+    ) -> list[Completion]:
+        """Sample a completion for every request, in order."""
+        ...
+
+    def release(self, sessions: Iterable[Hashable]) -> None:
+        """Forget any cached state of finished sessions."""
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the weights (weight sync from the trainer) and stamp ``version``."""
+        ...

@@ -1,0 +1,162 @@
+"""Text grid mazes with a move budget and a sparse reward.
+
+The maze is an ``size x size`` grid of cells; a fraction ``wall_density`` of them are walls.
+``reset(seed)`` draws walls, a start and a goal from ``seed`` alone (rejection sampling until the
+goal is reachable and the shortest path is at least ``min_distance`` moves). The move budget is
+``floor(budget_factor * shortest)``, at most twice the shortest path.
+
+Observation (every turn, the whole grid, then a prompt line)::
+
+    .#..G
+    ..#..
+    .A...
+    ##.#.
+    .....
+    >
+
+``#`` wall, ``.`` free, ``A`` the agent, ``G`` the goal. Rows are listed top to bottom.
+
+Action format: one of ``u``, ``d``, ``l``, ``r`` (up, down, left, right). Case and surrounding
+whitespace are ignored, and the full words ``up``/``down``/``left``/``right`` are accepted too.
+Every action uses one move of the budget:
+- a move into a wall or off the grid leaves the agent in place;
+- a malformed action (anything else) also leaves the agent in place: a wasted move.
+
+Reward: 1.0 on the step that reaches the goal within the budget (the episode ends), else 0.0; the
+episode also ends when the budget is spent.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
+WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
+
+
+def parse_action(text: str) -> str | None:
+    """Map the policy's text to a move letter, or None when malformed."""
+    a = text.strip().lower()
+    a = WORDS.get(a, a)
+    return a if a in MOVES else None
+
+
+def bfs_distances(walls: np.ndarray, target: tuple[int, int]) -> np.ndarray:
+    """Moves from every cell to ``target`` (-1 where unreachable or a wall)."""
+    n, m = walls.shape
+    dist = np.full((n, m), -1, dtype=np.int64)
+    dist[target] = 0
+    queue = deque([target])
+    while queue:
+        r, c = queue.popleft()
+        for dr, dc in MOVES.values():
+            rr, cc = r + dr, c + dc
+            if 0 <= rr < n and 0 <= cc < m and not walls[rr, cc] and dist[rr, cc] < 0:
+                dist[rr, cc] = dist[r, c] + 1
+                queue.append((rr, cc))
+    return dist
+
+
+class MazeEnv:
+    """One maze episode at a time. See the module docstring for the exact rules."""
+
+    def __init__(
+        self,
+        size: int = 5,
+        wall_density: float = 0.3,
+        min_distance: int = 4,
+        budget_factor: float = 2.0,
+    ) -> None:
+        if size < 2:
+            raise ValueError(f"maze size must be at least 2, got {size}")
+        if not 1.0 <= budget_factor <= 2.0:
+            raise ValueError(f"budget_factor must lie in [1, 2], got {budget_factor}")
+        self.size = size
+        self.wall_density = wall_density
+        self.min_distance = min_distance
+        self.budget_factor = budget_factor
+        self.walls = np.zeros((size, size), dtype=bool)
+        self.pos = self.start = self.goal = (0, 0)
+        self.shortest = self.budget = self.moves = 0
+        self.done = True
+        self._dist = np.zeros((size, size), dtype=np.int64)
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        n = self.size
+        for _ in range(10_000):
+            walls = rng.random((n, n)) < self.wall_density
+            free = np.argwhere(~walls)
+            if len(free) < 2:
+                continue
+            i, j = rng.choice(len(free), size=2, replace=False)
+            start, goal = tuple(int(x) for x in free[i]), tuple(int(x) for x in free[j])
+            dist = bfs_distances(walls, goal)
+            if dist[start] >= self.min_distance:
+                self.walls, self.start, self.goal, self._dist = walls, start, goal, dist
+                self.shortest = int(dist[start])
+                self.budget = int(self.budget_factor * self.shortest)
+                return
+        raise RuntimeError(f"could not draw a maze for seed {seed}; lower min_distance or walls")
+
+    # -- protocol -------------------------------------------------------------------------------
+    def reset(self, seed: int) -> str:
+        self.generate(seed)
+        self.pos = self.start
+        self.moves = 0
+        self.done = False
+        return self.render()
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        if self.done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        move = parse_action(action)
+        self.moves += 1
+        if move is not None:
+            dr, dc = MOVES[move]
+            r, c = self.pos[0] + dr, self.pos[1] + dc
+            if 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]:
+                self.pos = (r, c)
+        success = self.pos == self.goal
+        self.done = success or self.moves >= self.budget
+        info = {
+            "success": success,
+            "moves": self.moves,
+            "shortest": self.shortest,
+            "budget": self.budget,
+            "malformed": move is None,
+        }
+        return self.render(), (1.0 if success else 0.0), self.done, info
+
+    def render(self) -> str:
+        rows = []
+        for r in range(self.size):
+            row = []
+            for c in range(self.size):
+                if (r, c) == self.pos:
+                    row.append("A")
+                elif (r, c) == self.goal:
+                    row.append("G")
+                else:
+                    row.append("#" if self.walls[r, c] else ".")
+            rows.append("".join(row))
+        return "\n".join(rows) + "\n>"
+
+    # -- demonstrations -------------------------------------------------------------------------
+    def expert_action(self, rng: np.random.Generator) -> str:
+        """A move along a shortest path (ties broken at random)."""
+        here = self._dist[self.pos]
+        best = []
+        for name, (dr, dc) in MOVES.items():
+            r, c = self.pos[0] + dr, self.pos[1] + dc
+            if 0 <= r < self.size and 0 <= c < self.size and self._dist[r, c] == here - 1:
+                if not self.walls[r, c]:
+                    best.append(name)
+        return str(rng.choice(best))
+
+    def random_action(self, rng: np.random.Generator) -> str:
+        return str(rng.choice(list(MOVES)))

@@ -1,0 +1,53 @@
+"""Held-out evaluation: success rate (greedy and sampled) and mean moves on fixed seeds.
+
+Evaluation seeds live in ``[EVAL_SEED_BASE, EVAL_SEED_BASE + episodes)``; training and SFT
+seeds are drawn from ``[0, EVAL_SEED_BASE)``, so no held-out task is ever trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from gyre.engines.base import Engine
+from gyre.envs.base import Env
+from gyre.rollout import run_episodes, stop_ids
+from gyre.types import SamplingParams
+
+EVAL_SEED_BASE = 2**31
+
+
+def eval_seeds(episodes: int) -> list[int]:
+    return [EVAL_SEED_BASE + i for i in range(episodes)]
+
+
+def train_seed(run_seed: int, stream: int, index: int) -> int:
+    """The ``index``-th task seed of a training stream (SFT demos, GRPO tasks), < EVAL_SEED_BASE."""
+    state = np.random.SeedSequence([run_seed, stream, index]).generate_state(1, dtype=np.uint64)
+    return int(state[0] % EVAL_SEED_BASE)
+
+
+def evaluate(
+    engine: Engine,
+    make_env: Callable[[], Env],
+    tokenizer: PreTrainedTokenizerBase,
+    episodes: int,
+    temperature: float,
+    max_new_tokens: int,
+    sampled: bool = True,
+    seed: int = 0,
+) -> dict[str, float]:
+    seeds = eval_seeds(episodes)
+    out: dict[str, float] = {}
+    modes = [("greedy", 0.0)] + ([("sampled", temperature)] if sampled else [])
+    for name, temp in modes:
+        params = SamplingParams(
+            temperature=temp, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer),
+            seed=seed,
+        )
+        trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params)
+        out[f"eval/success_{name}"] = float(np.mean([t.success for t in trajs]))
+        out[f"eval/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
+    return out

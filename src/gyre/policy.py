@@ -1,0 +1,86 @@
+"""Trainer-side model helpers: batching trajectories and scoring tokens.
+
+The trainer sees each trajectory as one contiguous, right-padded row (no padding inside a row),
+so its position ids are 0..T-1 -- the same positions the engine used for the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gyre.sampling import sampling_logprobs
+from gyre.types import Trajectory
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded tensors for a list of trajectories (B rows, T = longest row)."""
+
+    input_ids: torch.Tensor  # (B, T) long
+    attention_mask: torch.Tensor  # (B, T) long, 1 on real tokens
+    loss_mask: torch.Tensor  # (B, T) float, 1 on policy-generated tokens
+    rollout_logprobs: torch.Tensor  # (B, T) float, sampler log-probs (0 off the mask)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def rows(self, index: slice | torch.Tensor) -> TokenBatch:
+        sub = TokenBatch(
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.loss_mask[index],
+            self.rollout_logprobs[index],
+        )
+        width = int(sub.attention_mask.sum(dim=1).max().item())  # trim shared padding
+        return TokenBatch(
+            sub.input_ids[:, :width],
+            sub.attention_mask[:, :width],
+            sub.loss_mask[:, :width],
+            sub.rollout_logprobs[:, :width],
+        )
+
+
+def collate(trajs: list[Trajectory], pad_token_id: int, device: torch.device) -> TokenBatch:
+    T = max(len(t.token_ids) for t in trajs)
+    B = len(trajs)
+    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    lmask = torch.zeros((B, T), dtype=torch.float32)
+    rlp = torch.zeros((B, T), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        n = len(t.token_ids)
+        if not (len(t.loss_mask) == len(t.rollout_logprobs) == n):
+            raise ValueError(f"trajectory {i}: token_ids, loss_mask, rollout_logprobs differ in length")
+        ids[i, :n] = torch.tensor(t.token_ids)
+        attn[i, :n] = 1
+        lmask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        rlp[i, :n] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
+    return TokenBatch(ids.to(device), attn.to(device), lmask.to(device), rlp.to(device))
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of every token given its prefix, under the sampling distribution.
+
+    Returns (logprobs (B, T), entropy (B, T) or None); position 0 is 0.0 (no prefix).
+    """
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logp = sampling_logprobs(logits[:, :-1], temperature, top_p)  # (B, T-1, V)
+    targets = batch.input_ids[:, 1:].unsqueeze(-1)
+    tok = logp.gather(-1, targets).squeeze(-1)  # (B, T-1)
+    tok = torch.nn.functional.pad(tok, (1, 0))
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            p = logp.exp()
+            e = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+            ent = torch.nn.functional.pad(e, (1, 0))
+    return tok, ent

@@ -1,0 +1,170 @@
+"""Episodes: env x engine -> trajectories, token-in/token-out.
+
+Every episode's token list starts with BOS and the first observation's ids. Each turn the engine
+samples an action; its exact token ids (and logprobs) are appended with loss mask 1, the text is
+decoded only to be handed to the env, and the next observation's ids are appended with mask 0.
+The policy's own tokens are never re-tokenised, so the trainer scores exactly what was sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from gyre.engines.base import Engine
+from gyre.envs.base import Demonstrator, Env
+from gyre.types import GenerationRequest, SamplingParams, Trajectory
+
+_SESSION_COUNTER = iter(range(1 << 62))
+
+
+@dataclass
+class RolloutStats:
+    seconds: float = 0.0
+    generated_tokens: int = 0
+    turns: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def encode_obs(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, first_obs: str) -> list[int]:
+    ids = encode_obs(tokenizer, first_obs)
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + ids
+
+
+def stop_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Actions end at a newline (the built-in envs' turn terminator) or EOS."""
+    ids = {tokenizer.convert_tokens_to_ids("\n")}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    ids.discard(tokenizer.unk_token_id)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def run_episodes(
+    make_env: Callable[[], Env],
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    task_seeds: Sequence[int],
+    group_size: int,
+    params: SamplingParams,
+    stats: RolloutStats | None = None,
+) -> list[Trajectory]:
+    """Play ``group_size`` episodes of every task seed, all turns batched through ``engine``.
+
+    Trajectory ``k * group_size + j`` is sample j of task k and has ``group_id == k``.
+    """
+    t0 = time.perf_counter()
+    n = len(task_seeds) * group_size
+    envs = [make_env() for _ in range(n)]
+    sessions = [next(_SESSION_COUNTER) for _ in range(n)]
+    ids: list[list[int]] = []
+    mask: list[list[int]] = []
+    lps: list[list[float]] = []
+    for k, seed in enumerate(task_seeds):
+        for j in range(group_size):
+            first = prompt_ids(tokenizer, envs[k * group_size + j].reset(int(seed)))
+            ids.append(first)
+            mask.append([0] * len(first))
+            lps.append([0.0] * len(first))
+    reward = [0.0] * n
+    turns = [0] * n
+    infos: list[dict] = [{} for _ in range(n)]
+    active = list(range(n))
+    gen_tokens = 0
+    while active:
+        reqs = [GenerationRequest(ids[i], session=sessions[i]) for i in active]
+        outs = engine.generate(reqs, params)
+        still = []
+        for i, out in zip(active, outs, strict=True):
+            ids[i].extend(out.token_ids)
+            mask[i].extend([1] * len(out.token_ids))
+            lps[i].extend(out.logprobs)
+            gen_tokens += len(out.token_ids)
+            text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            obs, r, done, info = envs[i].step(text)
+            reward[i] += r
+            turns[i] += 1
+            infos[i] = info
+            if done:
+                continue
+            obs_ids = encode_obs(tokenizer, obs)
+            ids[i].extend(obs_ids)
+            mask[i].extend([0] * len(obs_ids))
+            lps[i].extend([0.0] * len(obs_ids))
+            still.append(i)
+        engine.release(sessions[i] for i in active if i not in set(still))
+        active = still
+    trajs = [
+        Trajectory(
+            token_ids=ids[i],
+            loss_mask=mask[i],
+            rollout_logprobs=lps[i],
+            reward=reward[i],
+            group_id=i // group_size,
+            policy_version=engine.version,
+            num_turns=turns[i],
+            success=bool(infos[i].get("success", False)),
+            task_seed=int(task_seeds[i // group_size]),
+            info=infos[i],
+        )
+        for i in range(n)
+    ]
+    if stats is not None:
+        stats.seconds += time.perf_counter() - t0
+        stats.generated_tokens += gen_tokens
+        stats.turns += sum(turns)
+    return trajs
+
+
+def demonstrate(
+    make_env: Callable[[], Env],
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    noise: float,
+    rng: np.random.Generator,
+) -> Trajectory:
+    """One noisy-expert episode, tokenised exactly as a rollout would be (mask 1 on actions)."""
+    env = make_env()
+    if not isinstance(env, Demonstrator):
+        raise TypeError(f"{type(env).__name__} cannot demonstrate (no expert_action/random_action)")
+    newline = encode_obs(tokenizer, "\n")
+    ids = prompt_ids(tokenizer, env.reset(seed))
+    mask = [0] * len(ids)
+    total, turns, info = 0.0, 0, {}
+    while True:
+        text = env.random_action(rng) if rng.random() < noise else env.expert_action(rng)
+        act = encode_obs(tokenizer, text) + newline
+        ids += act
+        mask += [1] * len(act)
+        obs, r, done, info = env.step(text)
+        total += r
+        turns += 1
+        if done:
+            break
+        obs_ids = encode_obs(tokenizer, obs)
+        ids += obs_ids
+        mask += [0] * len(obs_ids)
+    return Trajectory(
+        token_ids=ids,
+        loss_mask=mask,
+        rollout_logprobs=[0.0] * len(ids),
+        reward=total,
+        group_id=0,
+        policy_version=-1,
+        num_turns=turns,
+        success=bool(info.get("success", False)),
+        task_seed=seed,
+        info=info,
+    )

@@ -1,0 +1,121 @@
+"""Optimizer steps: GRPO (PPO-clip on group-normalised advantages) and SFT.
+
+Normalisation: every loss term is summed over tokens and divided by the number of loss tokens in
+the whole optimizer step (counted before the micro-batch loop), never per micro-batch. So the
+gradient of one optimizer step is identical whatever the micro-batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gyre.algos import kl_k3, masked_token_sum, ppo_clip_loss
+from gyre.policy import TokenBatch, token_logprobs
+
+
+@dataclass
+class GRPOSettings:
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    mini_batches: int = 1
+    micro_batch_size: int = 64
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+def _micro_slices(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def grpo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TokenBatch,
+    advantages: torch.Tensor,
+    settings: GRPOSettings,
+    ref_model: torch.nn.Module | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """One rollout batch -> ``settings.mini_batches`` optimizer steps.
+
+    The old log-probs are the engine's (the weights that sampled are the weights we start from,
+    synced in-process), so the first mini-batch has ratio 1; later mini-batches are off-policy
+    and the clip applies.
+    """
+    model.train()
+    B = batch.input_ids.shape[0]
+    perm = torch.randperm(B, generator=generator) if settings.mini_batches > 1 else torch.arange(B)
+    minis = [perm[s] for s in _micro_slices(B, -(-B // settings.mini_batches))]
+    sums = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "entropy": 0.0, "logprob_gap": 0.0}
+    grad_norms = []
+    total_tokens = 0
+    for mini_idx in minis:
+        mini = batch.rows(mini_idx)
+        adv_mini = advantages[mini_idx]
+        step_tokens = max(mini.num_tokens, 1)  # the whole optimizer step's token count
+        total_tokens += step_tokens
+        optimizer.zero_grad(set_to_none=True)
+        for sl in _micro_slices(mini.input_ids.shape[0], settings.micro_batch_size):
+            mb = mini.rows(sl)
+            adv = adv_mini[sl].unsqueeze(-1)  # (b, 1): one advantage for every token
+            logp, ent = token_logprobs(
+                model, mb, settings.temperature, settings.top_p, with_entropy=True
+            )
+            pg, clipped = ppo_clip_loss(logp, mb.rollout_logprobs, adv, settings.clip_eps)
+            loss_tok = pg
+            if ref_model is not None and settings.kl_coef > 0:
+                with torch.no_grad():
+                    ref_logp, _ = token_logprobs(ref_model, mb, settings.temperature, settings.top_p)
+                kl = kl_k3(logp, ref_logp)
+                loss_tok = loss_tok + settings.kl_coef * kl
+                sums["kl"] += float(masked_token_sum(kl.detach(), mb.loss_mask))
+            loss = masked_token_sum(loss_tok, mb.loss_mask) / step_tokens
+            loss.backward()
+            sums["loss"] += float(masked_token_sum(loss_tok.detach(), mb.loss_mask))
+            sums["clipfrac"] += float(masked_token_sum(clipped.float(), mb.loss_mask))
+            assert ent is not None
+            sums["entropy"] += float(masked_token_sum(ent, mb.loss_mask))
+            gap = (logp.detach() - mb.rollout_logprobs).abs()
+            sums["logprob_gap"] += float(masked_token_sum(gap, mb.loss_mask))
+        grad_norms.append(
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
+        )
+        optimizer.step()
+    model.eval()
+    out = {f"train/{k}": v / max(total_tokens, 1) for k, v in sums.items()}
+    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["train/tokens"] = float(total_tokens)
+    return out
+
+
+def sft_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TokenBatch,
+    micro_batch_size: int,
+    max_grad_norm: float = 1.0,
+) -> dict[str, float]:
+    """Cross-entropy on the loss-masked (policy) tokens, token-mean over the whole step."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    step_tokens = max(batch.num_tokens, 1)
+    total = 0.0
+    correct = 0.0
+    for sl in _micro_slices(batch.input_ids.shape[0], micro_batch_size):
+        mb = batch.rows(sl)
+        logp, _ = token_logprobs(model, mb)
+        loss = -masked_token_sum(logp, mb.loss_mask) / step_tokens
+        loss.backward()
+        total += float(loss.detach()) * step_tokens
+        correct += float(masked_token_sum((logp.detach() > -0.6931).float(), mb.loss_mask))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    model.eval()
+    return {
+        "sft/loss": total / step_tokens,
+        "sft/token_acc": correct / step_tokens,
+        "sft/grad_norm": grad_norm,
+    }

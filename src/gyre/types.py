@@ -1,0 +1,64 @@
+"""Boundary types shared by rollout, engines and the trainer.
+
+Token alignment convention (used everywhere): for a sequence ``token_ids`` of length T, position t
+holds token t; ``loss_mask[t]`` says whether token t was written by the policy, and
+``rollout_logprobs[t]`` is the sampler's log-probability of token t given tokens ``< t`` (0.0 where
+the mask is 0). Position 0 is always a prompt token, so its mask is always 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples. ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt for an engine. ``session`` names a multi-turn episode so an engine may reuse
+    the KV cache of a previous call whose tokens this prompt extends (a pure optimisation: the
+    result never depends on it)."""
+
+    prompt_ids: list[int]
+    session: Hashable | None = None
+
+
+@dataclass
+class Completion:
+    """What an engine returns for one request."""
+
+    token_ids: list[int]  # (N,) generated tokens, including a stop token if one was hit
+    logprobs: list[float]  # (N,) log-prob of each token under the distribution sampled from
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass
+class Trajectory:
+    """One episode, token-in/token-out: the exact ids the engine produced plus the observation
+    ids the rollout appended, never re-tokenised."""
+
+    token_ids: list[int]  # (T,)
+    loss_mask: list[int]  # (T,) 1 exactly on policy-generated tokens
+    rollout_logprobs: list[float]  # (T,) sampler log-probs on generated tokens, 0.0 elsewhere
+    reward: float
+    group_id: int  # trajectories of the same task share a group id
+    policy_version: int  # version of the weights that generated every token
+    num_turns: int
+    success: bool
+    task_seed: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
