@@ -67,7 +67,7 @@ def save_checkpoint(
         },
         tmp / "rng.pt",
     )
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2))
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

@@ -47,12 +47,17 @@ class ModelConfig(_Section):
 
 class MazeConfig(_Section):
     size: int = Field(5, ge=5, description="Maze side length in cells (at least 5).")
-    wall_density: float = Field(0.3, ge=0.0, lt=0.7, description="Fraction of cells that are walls.")
+    wall_density: float = Field(
+        0.3, ge=0.0, lt=0.7, description="Fraction of cells that are walls."
+    )
     min_distance: int = Field(
         4, ge=4, description="Shortest start-to-goal path, in moves, is at least this."
     )
     budget_factor: float = Field(
         2.0, ge=1.0, le=2.0, description="Move budget = floor(factor * shortest path), at most 2x."
+    )
+    view: int = Field(
+        2, ge=0, description="Local view radius around the agent; 0 shows the whole grid."
     )
 
 
@@ -89,7 +94,9 @@ class SFTConfig(_Section):
 class TrainConfig(_Section):
     steps: int = Field(40, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
-    group_size: int = Field(8, ge=2, description="Samples per task (G) for group-relative advantages.")
+    group_size: int = Field(
+        8, ge=2, description="Samples per task (G) for group-relative advantages."
+    )
     lr: float = Field(1e-3, gt=0, description="GRPO AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
@@ -157,6 +164,9 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+_YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -164,6 +174,10 @@ def _parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"override '{item}' has an empty key")
+    if raw.strip().lower() in _YAML11_BOOL_WORDS:
+        # YAML 1.1 reads on/off/yes/no as booleans; keep the word so 'log.console=off' works
+        # (pydantic still accepts these words for bool fields).
+        return key, raw.strip()
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:

@@ -38,13 +38,17 @@ def evaluate(
     max_new_tokens: int,
     sampled: bool = True,
     seed: int = 0,
+    top_p: float = 1.0,
 ) -> dict[str, float]:
     seeds = eval_seeds(episodes)
     out: dict[str, float] = {}
-    modes = [("greedy", 0.0)] + ([("sampled", temperature)] if sampled else [])
-    for name, temp in modes:
+    modes = [("greedy", 0.0, 1.0)] + ([("sampled", temperature, top_p)] if sampled else [])
+    for name, temp, tp in modes:
         params = SamplingParams(
-            temperature=temp, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer),
+            temperature=temp,
+            top_p=tp,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_ids(tokenizer),
             seed=seed,
         )
         trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params)

@@ -42,9 +42,18 @@ from gyre.types import SamplingParams
 STREAM_SFT, STREAM_GRPO = 1, 2
 
 
-def setup(cfg: Config) -> tuple[Path, torch.device]:
-    """Resolve the run dir, threads, device and global seeds; write the resolved config."""
+def setup(cfg: Config, fresh_check: bool = False) -> tuple[Path, torch.device]:
+    """Resolve the run dir, threads, device and global seeds; write the resolved config.
+
+    With ``fresh_check``, refuse (before writing anything) a run that would start from scratch
+    in a directory that already holds checkpoints.
+    """
     run_dir = resolve_run_dir(cfg)
+    if fresh_check and cfg.run.resume == "never" and list_checkpoints(run_dir):
+        raise FileExistsError(
+            f"run.dir '{run_dir}' already holds checkpoints; pass run.resume=auto to continue it "
+            "or choose a new run.dir"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.run.threads or os.cpu_count() or 1)
     random.seed(cfg.run.seed)
@@ -75,6 +84,7 @@ def _eval(cfg: Config, engine: TorchEngine, tokenizer: Any) -> dict[str, float]:
         cfg.train.sampling.max_new_tokens,
         sampled=cfg.eval.sampled,
         seed=cfg.run.seed,
+        top_p=cfg.train.sampling.top_p,
     )
 
 
@@ -99,7 +109,9 @@ def run_sft(cfg: Config, run_dir: Path, device: torch.device, base: Path) -> Pat
     make_env = env_factory(cfg.env)
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
     demos = [
-        demonstrate(make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng)
+        demonstrate(
+            make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng
+        )
         for k in range(cfg.sft.demos)
     ]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
@@ -134,13 +146,8 @@ def run_sft(cfg: Config, run_dir: Path, device: torch.device, base: Path) -> Pat
 def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """SFT (if ``sft.steps``) then GRPO for ``train.steps``; returns the run summary."""
     t_start = time.perf_counter()
-    run_dir, device = setup(cfg)
+    run_dir, device = setup(cfg, fresh_check=True)
     resume_from = find_resume(run_dir, cfg.run.resume)
-    if resume_from is None and list_checkpoints(run_dir):
-        raise FileExistsError(
-            f"run.dir '{run_dir}' already holds checkpoints; pass run.resume=auto to continue it "
-            "or choose a new run.dir"
-        )
     state: dict[str, Any] = {"cursor": 0, "evals": {}}
     if resume_from is not None:
         policy_path = resume_from / "model"
@@ -200,8 +207,13 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         stats = RolloutStats()
         with timed(m, "time/rollout_s"):
             trajs = run_episodes(
-                make_env, engine, tokenizer, seeds, cfg.train.group_size,
-                _sampling(cfg, tokenizer, seed=(cfg.run.seed * 1_000_003 + step) % 2**31), stats,
+                make_env,
+                engine,
+                tokenizer,
+                seeds,
+                cfg.train.group_size,
+                _sampling(cfg, tokenizer, seed=(cfg.run.seed * 1_000_003 + step) % 2**31),
+                stats,
             )
         # 2. reward
         rewards = torch.tensor([t.reward for t in trajs])
@@ -218,15 +230,17 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
             engine.load_weights(model.state_dict(), version=step)
         # 6. log
         grouped = rewards.view(-1, cfg.train.group_size)
-        m.update({
-            "rollout/reward_mean": float(rewards.mean()),
-            "rollout/success_rate": float(np.mean([t.success for t in trajs])),
-            "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
-            "rollout/response_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
-            "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
-            "perf/rollout_tokens_per_s": stats.tokens_per_s,
-            "policy_version": float(engine.version),
-        })
+        m.update(
+            {
+                "rollout/reward_mean": float(rewards.mean()),
+                "rollout/success_rate": float(np.mean([t.success for t in trajs])),
+                "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+                "rollout/response_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
+                "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
+                "perf/rollout_tokens_per_s": stats.tokens_per_s,
+                "policy_version": float(engine.version),
+            }
+        )
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             with timed(m, "time/eval_s"):
                 m.update(_eval(cfg, engine, tokenizer))
@@ -234,8 +248,13 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         # 7. checkpoint
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             save_checkpoint(
-                run_dir, step, model, tokenizer, optimizer,
-                {**state, "policy_version": engine.version}, cfg.checkpoint.keep,
+                run_dir,
+                step,
+                model,
+                tokenizer,
+                optimizer,
+                {**state, "policy_version": engine.version},
+                cfg.checkpoint.keep,
             )
 
     after = _eval(cfg, engine, tokenizer)
@@ -245,8 +264,13 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         not cfg.checkpoint.every or cfg.train.steps % cfg.checkpoint.every
     ):
         save_checkpoint(
-            run_dir, cfg.train.steps, model, tokenizer, optimizer,
-            {**state, "policy_version": engine.version}, cfg.checkpoint.keep,
+            run_dir,
+            cfg.train.steps,
+            model,
+            tokenizer,
+            optimizer,
+            {**state, "policy_version": engine.version},
+            cfg.checkpoint.keep,
         )
     final = run_dir / "final"
     if final.exists():

@@ -48,7 +48,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> LlamaForCausalLM:
+def build_tiny_model(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> LlamaForCausalLM:
     """A small Llama initialised from ``seed``; about 1M parameters at the defaults."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -53,7 +53,9 @@ def collate(trajs: list[Trajectory], pad_token_id: int, device: torch.device) ->
     for i, t in enumerate(trajs):
         n = len(t.token_ids)
         if not (len(t.loss_mask) == len(t.rollout_logprobs) == n):
-            raise ValueError(f"trajectory {i}: token_ids, loss_mask, rollout_logprobs differ in length")
+            raise ValueError(
+                f"trajectory {i}: token_ids, loss_mask, rollout_logprobs differ in length"
+            )
         ids[i, :n] = torch.tensor(t.token_ids)
         attn[i, :n] = 1
         lmask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)

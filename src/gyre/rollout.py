@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -86,6 +86,8 @@ def run_episodes(
     while active:
         reqs = [GenerationRequest(ids[i], session=sessions[i]) for i in active]
         outs = engine.generate(reqs, params)
+        # Seed once per rollout: re-seeding every turn would replay the same random draws.
+        params = replace(params, seed=None)
         still = []
         for i, out in zip(active, outs, strict=True):
             ids[i].extend(out.token_ids)
@@ -104,7 +106,8 @@ def run_episodes(
             mask[i].extend([0] * len(obs_ids))
             lps[i].extend([0.0] * len(obs_ids))
             still.append(i)
-        engine.release(sessions[i] for i in active if i not in set(still))
+        kept = set(still)
+        engine.release(sessions[i] for i in active if i not in kept)
         active = still
     trajs = [
         Trajectory(
@@ -134,8 +137,14 @@ def demonstrate(
     seed: int,
     noise: float,
     rng: np.random.Generator,
+    train_on_noise: bool = False,
 ) -> Trajectory:
-    """One noisy-expert episode, tokenised exactly as a rollout would be (mask 1 on actions)."""
+    """One noisy-expert episode, tokenised exactly as a rollout would be.
+
+    With probability ``noise`` a turn's action is random instead of the expert's. The loss mask
+    is 1 on expert actions; random ones are masked out unless ``train_on_noise`` (they still
+    shape the states the demonstration visits, so SFT sees recoveries from mistakes).
+    """
     env = make_env()
     if not isinstance(env, Demonstrator):
         raise TypeError(f"{type(env).__name__} cannot demonstrate (no expert_action/random_action)")
@@ -144,10 +153,11 @@ def demonstrate(
     mask = [0] * len(ids)
     total, turns, info = 0.0, 0, {}
     while True:
-        text = env.random_action(rng) if rng.random() < noise else env.expert_action(rng)
+        noisy = rng.random() < noise
+        text = env.random_action(rng) if noisy else env.expert_action(rng)
         act = encode_obs(tokenizer, text) + newline
         ids += act
-        mask += [1] * len(act)
+        mask += [0 if noisy and not train_on_noise else 1] * len(act)
         obs, r, done, info = env.step(text)
         total += r
         turns += 1

@@ -68,7 +68,9 @@ def grpo_update(
             loss_tok = pg
             if ref_model is not None and settings.kl_coef > 0:
                 with torch.no_grad():
-                    ref_logp, _ = token_logprobs(ref_model, mb, settings.temperature, settings.top_p)
+                    ref_logp, _ = token_logprobs(
+                        ref_model, mb, settings.temperature, settings.top_p
+                    )
                 kl = kl_k3(logp, ref_logp)
                 loss_tok = loss_tok + settings.kl_coef * kl
                 sums["kl"] += float(masked_token_sum(kl.detach(), mb.loss_mask))

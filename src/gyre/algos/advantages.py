@@ -10,7 +10,9 @@ from collections.abc import Callable
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO (Shao et al. 2024, arXiv:2402.03300): A_i = (r_i - mean_G) / (std_G + eps).
 
     std is the unbiased sample std within the group (as verl and TRL use). A group whose rewards

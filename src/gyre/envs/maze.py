@@ -5,16 +5,20 @@ The maze is an ``size x size`` grid of cells; a fraction ``wall_density`` of the
 goal is reachable and the shortest path is at least ``min_distance`` moves). The move budget is
 ``floor(budget_factor * shortest)``, at most twice the shortest path.
 
-Observation (every turn, the whole grid, then a prompt line)::
+Observation (every turn): the agent's local view, a ``(2 * view + 1)`` square window centred
+on the agent, then a line giving the goal's offset, then the action prompt. With ``view=2``::
 
-    .#..G
-    ..#..
-    .A...
-    ##.#.
-    .....
-    >
+    #.#..
+    #..+.
+    #.A..
+    #.#..
+    #....
+    d2r1>
 
-``#`` wall, ``.`` free, ``A`` the agent, ``G`` the goal. Rows are listed top to bottom.
+``A`` the agent (always at the centre), ``#`` a wall or outside the grid, ``.`` a free cell, ``+``
+a free cell the agent has already visited in this episode, ``G`` the goal when it is in view.
+``d2r1`` says the goal is 2 rows down and 1 column right (``u``/``d`` then ``l``/``r``, each with
+a count). ``view=0`` renders the whole grid instead (rows top to bottom, no window).
 
 Action format: one of ``u``, ``d``, ``l``, ``r`` (up, down, left, right). Case and surrounding
 whitespace are ignored, and the full words ``up``/``down``/``left``/``right`` are accepted too.
@@ -69,6 +73,7 @@ class MazeEnv:
         wall_density: float = 0.3,
         min_distance: int = 4,
         budget_factor: float = 2.0,
+        view: int = 2,
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -78,6 +83,8 @@ class MazeEnv:
         self.wall_density = wall_density
         self.min_distance = min_distance
         self.budget_factor = budget_factor
+        self.view = view
+        self.visited: set[tuple[int, int]] = set()
         self.walls = np.zeros((size, size), dtype=bool)
         self.pos = self.start = self.goal = (0, 0)
         self.shortest = self.budget = self.moves = 0
@@ -107,6 +114,7 @@ class MazeEnv:
     def reset(self, seed: int) -> str:
         self.generate(seed)
         self.pos = self.start
+        self.visited = {self.start}
         self.moves = 0
         self.done = False
         return self.render()
@@ -121,6 +129,7 @@ class MazeEnv:
             r, c = self.pos[0] + dr, self.pos[1] + dc
             if 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]:
                 self.pos = (r, c)
+                self.visited.add(self.pos)
         success = self.pos == self.goal
         self.done = success or self.moves >= self.budget
         info = {
@@ -132,31 +141,41 @@ class MazeEnv:
         }
         return self.render(), (1.0 if success else 0.0), self.done, info
 
+    def _cell(self, r: int, c: int) -> str:
+        if not (0 <= r < self.size and 0 <= c < self.size) or self.walls[r, c]:
+            return "#"
+        if (r, c) == self.pos:
+            return "A"
+        if (r, c) == self.goal:
+            return "G"
+        return "+" if (r, c) in self.visited else "."
+
     def render(self) -> str:
-        rows = []
-        for r in range(self.size):
-            row = []
-            for c in range(self.size):
-                if (r, c) == self.pos:
-                    row.append("A")
-                elif (r, c) == self.goal:
-                    row.append("G")
-                else:
-                    row.append("#" if self.walls[r, c] else ".")
-            rows.append("".join(row))
-        return "\n".join(rows) + "\n>"
+        if self.view > 0:
+            pr, pc = self.pos
+            rows = [
+                "".join(self._cell(r, c) for c in range(pc - self.view, pc + self.view + 1))
+                for r in range(pr - self.view, pr + self.view + 1)
+            ]
+        else:
+            rows = ["".join(self._cell(r, c) for c in range(self.size)) for r in range(self.size)]
+        dr, dc = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
+        offset = f"{'u' if dr < 0 else 'd'}{abs(dr)}{'l' if dc < 0 else 'r'}{abs(dc)}"
+        return "\n".join(rows) + "\n" + offset + ">"
 
     # -- demonstrations -------------------------------------------------------------------------
     def expert_action(self, rng: np.random.Generator) -> str:
-        """A move along a shortest path (ties broken at random)."""
+        """A move along a shortest path. Ties go to the move that also shrinks the larger of
+        the row/column offsets to the goal, then to the order u, d, l, r (deterministic)."""
         here = self._dist[self.pos]
+        gr, gc = self.goal
         best = []
         for name, (dr, dc) in MOVES.items():
             r, c = self.pos[0] + dr, self.pos[1] + dc
-            if 0 <= r < self.size and 0 <= c < self.size and self._dist[r, c] == here - 1:
-                if not self.walls[r, c]:
-                    best.append(name)
-        return str(rng.choice(best))
+            if 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]:
+                if self._dist[r, c] == here - 1:
+                    best.append((max(abs(gr - r), abs(gc - c)), "udlr".index(name), name))
+        return min(best)[2]
 
     def random_action(self, rng: np.random.Generator) -> str:
         return str(rng.choice(list(MOVES)))

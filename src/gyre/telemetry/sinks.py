@@ -43,8 +43,10 @@ class JsonlSink:
         self._f = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: (v if not (isinstance(v, float) and not math.isfinite(v)) else None)
-                 for k, v in metrics.items()}
+        clean = {
+            k: (v if not (isinstance(v, float) and not math.isfinite(v)) else None)
+            for k, v in metrics.items()
+        }
         self._f.write(json.dumps({"step": step, **clean}) + "\n")
         self._f.flush()
 

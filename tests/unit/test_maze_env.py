@@ -1,0 +1,297 @@
+"""MazeEnv: generation invariants, reproducibility and step semantics.
+
+Only what the module docstring documents is relied on; the exact observation layout is not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gyre.config import ConfigError, load_config
+from gyre.envs.maze import MOVES, MazeEnv, bfs_distances, parse_action
+
+CONFIGS = [
+    {"size": 5, "wall_density": 0.3, "min_distance": 4, "budget_factor": 2.0},
+    {"size": 5, "wall_density": 0.2, "min_distance": 5, "budget_factor": 1.5},
+    {"size": 7, "wall_density": 0.3, "min_distance": 6, "budget_factor": 1.0},
+    {"size": 6, "wall_density": 0.0, "min_distance": 4, "budget_factor": 1.3},
+]
+
+
+def _target(env: MazeEnv, move: str) -> tuple[int, int]:
+    dr, dc = MOVES[move]
+    return env.pos[0] + dr, env.pos[1] + dc
+
+
+def _inside(env: MazeEnv, rc: tuple[int, int]) -> bool:
+    return 0 <= rc[0] < env.size and 0 <= rc[1] < env.size
+
+
+def _find(predicate, env: MazeEnv, seeds=range(300)):
+    """First (seed, move) whose start position satisfies predicate(env, move)."""
+    for seed in seeds:
+        env.reset(seed)
+        for move in MOVES:
+            if predicate(env, move):
+                return seed, move
+    raise AssertionError("no seed in range has the wanted configuration")
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def test_bfs_distances_hand_grid():
+    walls = np.array(
+        [
+            [0, 0, 0],
+            [1, 1, 0],
+            [0, 0, 0],
+        ],
+        dtype=bool,
+    )
+    dist = bfs_distances(walls, (2, 0))
+    expected = np.array(
+        [
+            [6, 5, 4],
+            [-1, -1, 3],
+            [0, 1, 2],
+        ]
+    )
+    np.testing.assert_array_equal(dist, expected)
+
+
+def test_bfs_unreachable_is_minus_one():
+    walls = np.array([[0, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=bool)
+    dist = bfs_distances(walls, (2, 2))
+    assert dist[0, 0] == -1  # boxed in by walls
+    assert dist[0, 1] == -1 and dist[1, 1] == -1  # walls
+    assert dist[0, 2] == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("u", "u"),
+        (" D \n", "d"),
+        ("up", "u"),
+        ("LEFT", "l"),
+        ("  Right", "r"),
+        ("down\n", "d"),
+        ("jump", None),
+        ("", None),
+        ("xyz", None),
+        ("ud", None),
+    ],
+)
+def test_parse_action(text, expected):
+    assert parse_action(text) == expected
+
+
+# -- generation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("params", CONFIGS)
+def test_generated_mazes_are_solvable_and_budgeted(params):
+    env = MazeEnv(**params)
+    assert env.size >= 5
+    for seed in range(40):
+        env.reset(seed)
+        assert env.walls.shape == (env.size, env.size)
+        assert not env.walls[env.start] and not env.walls[env.goal]
+        assert env.start != env.goal
+        shortest = int(bfs_distances(env.walls, env.goal)[env.start])
+        assert shortest != -1, "goal must be reachable"
+        assert shortest == env.shortest
+        assert shortest >= params["min_distance"]
+        assert env.budget == math.floor(params["budget_factor"] * shortest)
+        assert shortest <= env.budget <= 2 * shortest
+
+
+def test_same_seed_same_maze():
+    a, b = MazeEnv(size=6), MazeEnv(size=6)
+    for seed in (0, 1, 17, 2**31 + 5):
+        obs_a, obs_b = a.reset(seed), b.reset(seed)
+        np.testing.assert_array_equal(a.walls, b.walls)
+        assert (a.start, a.goal, a.budget) == (b.start, b.goal, b.budget)
+        assert obs_a == obs_b
+
+
+def test_different_seeds_give_different_mazes():
+    env = MazeEnv()
+    layouts = set()
+    for seed in range(20):
+        env.reset(seed)
+        layouts.add((env.walls.tobytes(), env.start, env.goal))
+    assert len(layouts) >= 15
+
+
+def test_reset_is_deterministic_after_play():
+    env = MazeEnv()
+    first = env.reset(11)
+    walls = env.walls.copy()
+    env.step("jump")
+    env.step(next(iter(MOVES)))
+    again = env.reset(11)
+    assert again == first
+    np.testing.assert_array_equal(env.walls, walls)
+    assert env.pos == env.start and env.moves == 0 and not env.done
+
+
+@pytest.mark.parametrize("view", [0, 1, 2])
+def test_observation_has_one_agent(view):
+    env = MazeEnv(view=view)
+    rng = np.random.default_rng(0)
+    for seed in range(10):
+        obs = env.reset(seed)
+        assert isinstance(obs, str) and obs.count("A") == 1
+        while not env.done:
+            obs, _, _, _ = env.step(env.random_action(rng))
+            assert obs.count("A") == 1
+
+
+def test_invalid_budget_factor_rejected():
+    with pytest.raises(ValueError):
+        MazeEnv(budget_factor=2.5)
+    with pytest.raises(ValueError):
+        MazeEnv(budget_factor=0.5)
+
+
+def test_config_requires_size_at_least_five():
+    with pytest.raises(ConfigError, match=r"env\.maze\.size"):
+        load_config(None, ["env.maze.size=4"])
+    assert load_config(None, ["env.maze.size=5"]).env.maze.size == 5
+
+
+# -- step semantics ---------------------------------------------------------------------------
+def test_grid_edge_blocks_move_and_counts():
+    env = MazeEnv()
+    seed, move = _find(lambda e, m: not _inside(e, _target(e, m)), env)
+    env.reset(seed)
+    start = env.pos
+    obs, reward, done, info = env.step(move)
+    assert env.pos == start
+    assert env.moves == 1 and info["moves"] == 1
+    assert reward == 0.0 and not done and not info["malformed"]
+    assert obs.count("A") == 1
+
+
+def test_wall_blocks_move_and_counts():
+    env = MazeEnv()
+
+    def into_wall(e, m):
+        t = _target(e, m)
+        return _inside(e, t) and bool(e.walls[t])
+
+    seed, move = _find(into_wall, env)
+    env.reset(seed)
+    start = env.pos
+    _, reward, done, info = env.step(move.upper())
+    assert env.pos == start
+    assert env.moves == 1
+    assert reward == 0.0 and not done and not info["malformed"]
+
+
+def test_free_move_changes_position():
+    env = MazeEnv()
+
+    def free(e, m):
+        t = _target(e, m)
+        return _inside(e, t) and not e.walls[t]
+
+    seed, move = _find(free, env)
+    env.reset(seed)
+    target = _target(env, move)
+    env.step(move)
+    assert env.pos == target and env.moves == 1
+
+
+@pytest.mark.parametrize(("word", "letter"), [("up", "u"), ("LEFT", "l"), (" Down ", "d")])
+def test_word_actions_accepted(word, letter):
+    env = MazeEnv()
+
+    def free(e, m):
+        t = _target(e, m)
+        return m == letter and _inside(e, t) and not e.walls[t]
+
+    seed, _ = _find(free, env)
+    env.reset(seed)
+    target = _target(env, letter)
+    _, _, _, info = env.step(word)
+    assert env.pos == target
+    assert not info["malformed"]
+
+
+@pytest.mark.parametrize("bad", ["jump", "", "xyz"])
+def test_malformed_action_is_a_wasted_move(bad):
+    env = MazeEnv()
+    env.reset(3)
+    start = env.pos
+    _, reward, done, info = env.step(bad)
+    assert env.pos == start
+    assert env.moves == 1 and info["moves"] == 1
+    assert info["malformed"] is True
+    assert reward == 0.0 and not done
+
+
+def test_budget_exhaustion_ends_with_zero_reward():
+    env = MazeEnv()
+    env.reset(5)
+    budget = env.budget
+    assert budget >= 8
+    for k in range(1, budget + 1):
+        _, reward, done, info = env.step("jump")
+        assert reward == 0.0
+        assert info["moves"] == k
+        assert done == (k == budget)
+    assert info["success"] is False
+    assert info["budget"] == budget
+    with pytest.raises(RuntimeError):
+        env.step("u")
+
+
+@pytest.mark.parametrize("params", CONFIGS)
+def test_expert_reaches_goal_in_shortest_moves(params):
+    env = MazeEnv(**params)
+    rng = np.random.default_rng(0)
+    for seed in range(5):
+        env.reset(seed)
+        dist = bfs_distances(env.walls, env.goal)
+        total, moves, done, info = 0.0, 0, False, {}
+        while not done:
+            before = int(dist[env.pos])
+            _, reward, done, info = env.step(env.expert_action(rng))
+            assert int(dist[env.pos]) == before - 1
+            total += reward
+            moves += 1
+            if not done:
+                assert reward == 0.0
+        assert reward == 1.0 and total == 1.0
+        assert info["success"] is True
+        assert moves == env.shortest == info["moves"]
+        assert env.pos == env.goal
+        with pytest.raises(RuntimeError):
+            env.step("u")
+
+
+def test_goal_on_last_budget_move_still_rewarded():
+    # budget_factor=1 gives budget == shortest: the winning move is also the last one allowed.
+    env = MazeEnv(budget_factor=1.0)
+    env.reset(2)
+    assert env.budget == env.shortest
+    rng = np.random.default_rng(1)
+    done, reward, info = False, 0.0, {}
+    while not done:
+        _, reward, done, info = env.step(env.expert_action(rng))
+    assert reward == 1.0 and info["success"] is True and env.moves == env.budget
+
+
+def test_step_before_reset_raises():
+    with pytest.raises(RuntimeError):
+        MazeEnv().step("u")
+
+
+def test_random_action_is_well_formed():
+    env = MazeEnv()
+    env.reset(0)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        assert parse_action(env.random_action(rng)) is not None

@@ -1,0 +1,85 @@
+"""The shared sampling distribution: temperature, top-p, greedy, seeding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gyre.sampling import sample_tokens, sampling_logprobs
+
+
+def _logits(probs):
+    return torch.log(torch.tensor([probs], dtype=torch.float32))
+
+
+def test_plain_softmax():
+    lp = sampling_logprobs(_logits([0.5, 0.3, 0.2]), 1.0, 1.0)
+    torch.testing.assert_close(lp.exp(), torch.tensor([[0.5, 0.3, 0.2]]))
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[2.0, 0.0, -1.0]])
+    lp = sampling_logprobs(logits, 0.5, 1.0)
+    torch.testing.assert_close(lp, torch.log_softmax(logits / 0.5, dim=-1))
+    # greedy (temperature 0) scores with the untempered softmax
+    torch.testing.assert_close(sampling_logprobs(logits, 0.0, 1.0), torch.log_softmax(logits, -1))
+
+
+def test_top_p_hand_values():
+    # probs .4/.35/.25, top_p .5: mass before token 2 is .4 < .5 -> kept; before token 3 .75 -> cut
+    lp = sampling_logprobs(_logits([0.4, 0.35, 0.25]), 1.0, 0.5)
+    assert lp[0, 2].item() == -math.inf
+    torch.testing.assert_close(
+        lp[0, :2], torch.log(torch.tensor([0.4 / 0.75, 0.35 / 0.75])), atol=1e-6, rtol=0
+    )
+    # .6/.3/.1 with top_p .5: the top token alone reaches .5
+    lp = sampling_logprobs(_logits([0.6, 0.3, 0.1]), 1.0, 0.5)
+    assert lp[0, 0].item() == 0.0 and torch.isinf(lp[0, 1:]).all()
+
+
+def test_top_p_unsorted_vocab_order():
+    # the kept set is by probability, not by position
+    lp = sampling_logprobs(_logits([0.1, 0.6, 0.05, 0.25]), 1.0, 0.8)
+    kept = torch.isfinite(lp[0]).nonzero().flatten().tolist()
+    assert kept == [1, 3]
+    torch.testing.assert_close(lp[0, 1].exp(), torch.tensor(0.6 / 0.85))
+
+
+def test_greedy_picks_argmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 50, generator=g)
+    tokens, logps = sample_tokens(logits, 0.0, 1.0, None)
+    assert torch.equal(tokens, logits.argmax(-1))
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logps, expected)
+
+
+def test_tiny_top_p_keeps_only_top_token():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(32, 40, generator=g)
+    tokens, logps = sample_tokens(logits, 1.0, 1e-6, torch.Generator().manual_seed(5))
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.all(logps == 0.0)
+
+
+def test_seeded_sampling_reproducible_and_varied():
+    logits = torch.zeros(8, 30)  # uniform
+    a, la = sample_tokens(logits, 1.0, 1.0, torch.Generator().manual_seed(3))
+    b, lb = sample_tokens(logits, 1.0, 1.0, torch.Generator().manual_seed(3))
+    c, _ = sample_tokens(logits, 1.0, 1.0, torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    assert not torch.equal(a, c)
+    torch.testing.assert_close(la, torch.full((8,), -math.log(30)))
+
+
+def test_samples_follow_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    logits = torch.log(probs).expand(4000, 3)
+    tokens, _ = sample_tokens(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+    # top_p=0.75 removes the .1 token (mass before it is .9 >= .75) -> never sampled
+    tokens, logps = sample_tokens(logits, 1.0, 0.75, torch.Generator().manual_seed(0))
+    assert (tokens != 2).all()
+    assert torch.isfinite(logps).all()
