@@ -56,9 +56,12 @@ class MazeConfig(_Section):
     budget_factor: float = Field(
         2.0, ge=1.0, le=2.0, description="Move budget = floor(factor * shortest path), at most 2x."
     )
-    view: int = Field(
-        2, ge=0, description="Local view radius around the agent; 0 shows the whole grid."
+    observation: Literal["compass", "window", "grid"] = Field(
+        "compass",
+        description="compass: grid once, then neighbours + goal offset; window: a local square; "
+        "grid: the whole grid every turn.",
     )
+    view: int = Field(2, ge=1, description="Window radius for observation=window.")
 
 
 class ArithmeticConfig(_Section):
@@ -81,18 +84,18 @@ class SamplingConfig(_Section):
 
 
 class SFTConfig(_Section):
-    steps: int = Field(200, ge=0, description="SFT optimizer steps; 0 skips SFT.")
+    steps: int = Field(300, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
     lr: float = Field(3e-3, gt=0, description="SFT AdamW learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Linear LR warmup steps.")
-    demos: int = Field(2000, gt=0, description="Number of demonstration episodes generated.")
+    demos: int = Field(4000, gt=0, description="Number of demonstration episodes generated.")
     noise: float = Field(
         0.25, ge=0.0, le=1.0, description="Probability that the demonstrator makes a random move."
     )
 
 
 class TrainConfig(_Section):
-    steps: int = Field(40, ge=0, description="GRPO steps (rollout + update each).")
+    steps: int = Field(100, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
     group_size: int = Field(
         8, ge=2, description="Samples per task (G) for group-relative advantages."
@@ -103,7 +106,7 @@ class TrainConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient; 0 loads no ref.")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon in the group std normalisation.")
     mini_batches: int = Field(
-        1, gt=0, description="Optimizer steps per rollout batch (PPO mini-batches)."
+        2, gt=0, description="Optimizer steps per rollout batch (PPO mini-batches)."
     )
     micro_batch_size: int = Field(
         64, gt=0, description="Trajectories per forward/backward (gradient accumulation)."
@@ -116,12 +119,12 @@ class TrainConfig(_Section):
 
 class EvalConfig(_Section):
     episodes: int = Field(200, ge=0, description="Held-out episodes per evaluation.")
-    every: int = Field(10, ge=0, description="Evaluate every N GRPO steps; 0 only before/after.")
+    every: int = Field(20, ge=0, description="Evaluate every N GRPO steps; 0 only before/after.")
     sampled: bool = Field(True, description="Also report sampled (temperature) success.")
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(10, ge=0, description="Checkpoint every N GRPO steps; 0 only at the end.")
+    every: int = Field(20, ge=0, description="Checkpoint every N GRPO steps; 0 only at the end.")
     keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
 
 
@@ -129,6 +132,12 @@ class LogConfig(_Section):
     console: Literal["auto", "rich", "plain", "off"] = Field(
         "auto", description="Console output: rich live view, plain lines, or nothing."
     )
+
+    @field_validator("console", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` in a config file as False.
+        return "off" if v is False else v
 
 
 class Config(_Section):

@@ -5,20 +5,27 @@ The maze is an ``size x size`` grid of cells; a fraction ``wall_density`` of the
 goal is reachable and the shortest path is at least ``min_distance`` moves). The move budget is
 ``floor(budget_factor * shortest)``, at most twice the shortest path.
 
-Observation (every turn): the agent's local view, a ``(2 * view + 1)`` square window centred
-on the agent, then a line giving the goal's offset, then the action prompt. With ``view=2``::
+Observations come in three documented formats (``observation=``):
 
-    #.#..
-    #..+.
-    #.A..
-    #.#..
-    #....
-    d2r1>
+``compass`` (the default). The first observation is the whole grid, then the agent's view; every
+later observation is only the agent's view::
 
-``A`` the agent (always at the centre), ``#`` a wall or outside the grid, ``.`` a free cell, ``+``
-a free cell the agent has already visited in this episode, ``G`` the goal when it is in view.
-``d2r1`` says the goal is 2 rows down and 1 column right (``u``/``d`` then ``l``/``r``, each with
-a count). ``view=0`` renders the whole grid instead (rows top to bottom, no window).
+    ..G##         <- the grid, rows top to bottom (first observation only)
+    ..###
+    #.A##
+    #####
+    #####
+    .###u2r0>     <- the agent's view (every turn)
+
+The view is four characters for the cells up, down, left and right of the agent, then the
+goal's offset, then the prompt ``>``. ``u2r0`` says the goal is 2 rows up and 0 columns right
+(``u``/``d`` then ``l``/``r``, each with a count).
+
+``window``: every turn, a ``(2 * view + 1)`` square window centred on the agent (``A``), then
+the offset and ``>``. ``grid``: every turn, the whole grid, then the offset and ``>``.
+
+Cell characters: ``#`` wall (or outside the grid), ``.`` free, ``+`` free and already visited
+in this episode, ``G`` the goal, ``A`` the agent.
 
 Action format: one of ``u``, ``d``, ``l``, ``r`` (up, down, left, right). Case and surrounding
 whitespace are ignored, and the full words ``up``/``down``/``left``/``right`` are accepted too.
@@ -74,6 +81,7 @@ class MazeEnv:
         min_distance: int = 4,
         budget_factor: float = 2.0,
         view: int = 2,
+        observation: str = "compass",
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -83,7 +91,12 @@ class MazeEnv:
         self.wall_density = wall_density
         self.min_distance = min_distance
         self.budget_factor = budget_factor
+        if observation not in ("compass", "window", "grid"):
+            raise ValueError(
+                f"maze observation must be compass, window or grid, got {observation!r}"
+            )
         self.view = view
+        self.observation = observation
         self.visited: set[tuple[int, int]] = set()
         self.walls = np.zeros((size, size), dtype=bool)
         self.pos = self.start = self.goal = (0, 0)
@@ -117,7 +130,7 @@ class MazeEnv:
         self.visited = {self.start}
         self.moves = 0
         self.done = False
-        return self.render()
+        return self.render(first=True)
 
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         if self.done:
@@ -150,18 +163,28 @@ class MazeEnv:
             return "G"
         return "+" if (r, c) in self.visited else "."
 
-    def render(self) -> str:
-        if self.view > 0:
-            pr, pc = self.pos
+    def _offset(self) -> str:
+        dr, dc = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
+        return f"{'u' if dr < 0 else 'd'}{abs(dr)}{'l' if dc < 0 else 'r'}{abs(dc)}"
+
+    def _grid(self) -> list[str]:
+        return ["".join(self._cell(r, c) for c in range(self.size)) for r in range(self.size)]
+
+    def render(self, first: bool = False) -> str:
+        """The observation text (see the module docstring for the three formats)."""
+        pr, pc = self.pos
+        if self.observation == "compass":
+            near = "".join(self._cell(pr + dr, pc + dc) for dr, dc in MOVES.values())
+            view = near + self._offset() + ">"
+            return "\n".join([*self._grid(), view]) if first else view
+        if self.observation == "window":
             rows = [
                 "".join(self._cell(r, c) for c in range(pc - self.view, pc + self.view + 1))
                 for r in range(pr - self.view, pr + self.view + 1)
             ]
         else:
-            rows = ["".join(self._cell(r, c) for c in range(self.size)) for r in range(self.size)]
-        dr, dc = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
-        offset = f"{'u' if dr < 0 else 'd'}{abs(dr)}{'l' if dc < 0 else 'r'}{abs(dc)}"
-        return "\n".join(rows) + "\n" + offset + ">"
+            rows = self._grid()
+        return "\n".join([*rows, self._offset() + ">"])
 
     # -- demonstrations -------------------------------------------------------------------------
     def expert_action(self, rng: np.random.Generator) -> str:

@@ -87,6 +87,8 @@ class ConsoleSink:
             ("eval/success_greedy", "eval", "{:.3f}"),
             ("perf/rollout_tokens_per_s", "tok/s", "{:.0f}"),
             ("train/loss", "loss", "{:.4f}"),
+            ("sft/loss", "sft loss", "{:.4f}"),
+            ("sft/token_acc", "token acc", "{:.3f}"),
         ):
             if key in metrics and metrics[key] is not None:
                 parts.append(f"{label} {fmt.format(metrics[key])}")
