@@ -18,10 +18,22 @@ from pathlib import Path
 from gyre.config import Config, ConfigError, describe_fields, load_config
 
 
+_KEYS_HELP = """common keys (all of them: gyre --help-config):
+  run.dir=PATH          run directory (default runs/<env>-<timestamp>)
+  run.seed=N            master seed
+  run.resume=auto       continue from the newest checkpoint in run.dir (or never, or a path)
+  run.device=cpu        cpu, cuda, cuda:N or auto
+  model.path=DIR        a local Hugging Face causal-LM folder (default: build the tiny model)
+  sft.steps=N           SFT steps before GRPO (0 skips SFT)
+  train.steps=N         GRPO steps
+  eval.episodes=N       held-out episodes per evaluation
+  env.name=arithmetic   maze (default) or arithmetic"""
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     parser = argparse.ArgumentParser(
         prog="gyre",
-        description="RL post-training of language models. " + (__doc__ or "").split("\n\n")[1],
+        description="gyre: RL post-training of language models.\n\n" + (__doc__ or "").split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Examples:\n  gyre train\n  gyre train examples/arithmetic/config.yaml "
         "train.steps=20\n  gyre train run.dir=runs/a run.resume=auto\n"
@@ -35,7 +47,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "eval": "greedy and sampled success of model.path on held-out seeds",
     }
     for name, text in helps.items():
-        p = sub.add_parser(name, help=text, description=text)
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=text + ".",
+            epilog=_KEYS_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     ns = parser.parse_args(argv)
     if ns.help_config:

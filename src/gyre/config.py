@@ -84,7 +84,7 @@ class SamplingConfig(_Section):
 
 
 class SFTConfig(_Section):
-    steps: int = Field(300, ge=0, description="SFT optimizer steps; 0 skips SFT.")
+    steps: int = Field(600, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
     lr: float = Field(3e-3, gt=0, description="SFT AdamW learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Linear LR warmup steps.")
@@ -95,18 +95,22 @@ class SFTConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(100, ge=0, description="GRPO steps (rollout + update each).")
+    steps: int = Field(60, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
     group_size: int = Field(
         8, ge=2, description="Samples per task (G) for group-relative advantages."
     )
-    lr: float = Field(1e-3, gt=0, description="GRPO AdamW learning rate.")
+    lr: float = Field(3e-4, gt=0, description="GRPO AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient; 0 loads no ref.")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon in the group std normalisation.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        "seq-mean-token-mean",
+        description="How token losses combine: per token, or per sequence then averaged.",
+    )
     mini_batches: int = Field(
-        2, gt=0, description="Optimizer steps per rollout batch (PPO mini-batches)."
+        4, gt=0, description="Optimizer steps per rollout batch (PPO mini-batches)."
     )
     micro_batch_size: int = Field(
         64, gt=0, description="Trajectories per forward/backward (gradient accumulation)."
@@ -118,7 +122,7 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    episodes: int = Field(200, ge=0, description="Held-out episodes per evaluation.")
+    episodes: int = Field(500, ge=0, description="Held-out episodes per evaluation.")
     every: int = Field(20, ge=0, description="Evaluate every N GRPO steps; 0 only before/after.")
     sampled: bool = Field(True, description="Also report sampled (temperature) success.")
 

@@ -194,6 +194,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         max_grad_norm=cfg.train.max_grad_norm,
         temperature=cfg.train.sampling.temperature,
         top_p=cfg.train.sampling.top_p,
+        loss_agg=cfg.train.loss_agg,
     )
     gen = torch.Generator()
     for step in range(start_step + 1, cfg.train.steps + 1):

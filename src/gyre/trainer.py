@@ -24,6 +24,27 @@ class GRPOSettings:
     max_grad_norm: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
+    loss_agg: str = "token-mean"
+
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+def token_weights(loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Weights that turn a per-token loss into the step's loss by a plain weighted sum.
+
+    - ``token-mean``: 1 / (loss tokens in the step) -- every token counts the same (DAPO).
+    - ``seq-mean-token-mean``: 1 / (tokens of the row * rows in the step) -- every sequence counts
+      the same (the original GRPO). With sparse episode rewards this keeps long failed episodes
+      from outweighing short successful ones: the advantages of a group sum to zero, and so do
+      their total weights.
+    """
+    if mode == "token-mean":
+        return loss_mask / loss_mask.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        per_row = loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
+        return loss_mask / per_row / loss_mask.shape[0]
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
 
 
 def _micro_slices(n: int, size: int) -> list[slice]:
@@ -45,21 +66,29 @@ def grpo_update(
     synced in-process), so the first mini-batch has ratio 1; later mini-batches are off-policy
     and the clip applies.
     """
+    if settings.loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(
+            f"unknown loss aggregation {settings.loss_agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}"
+        )
     model.train()
     B = batch.input_ids.shape[0]
     perm = torch.randperm(B, generator=generator) if settings.mini_batches > 1 else torch.arange(B)
     minis = [perm[s] for s in _micro_slices(B, -(-B // settings.mini_batches))]
-    sums = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "entropy": 0.0, "logprob_gap": 0.0}
+    sums = {"kl": 0.0, "clipfrac": 0.0, "entropy": 0.0, "logprob_gap": 0.0}
     grad_norms = []
     total_tokens = 0
+    objective = 0.0  # the aggregated loss that was minimised, summed over mini-batches
     for mini_idx in minis:
         mini = batch.rows(mini_idx)
         adv_mini = advantages[mini_idx]
         step_tokens = max(mini.num_tokens, 1)  # the whole optimizer step's token count
         total_tokens += step_tokens
         optimizer.zero_grad(set_to_none=True)
+        # Per-token weights of the whole optimizer step, fixed before the micro-batch loop.
+        weights = token_weights(mini.loss_mask, settings.loss_agg)  # (b, T)
         for sl in _micro_slices(mini.input_ids.shape[0], settings.micro_batch_size):
             mb = mini.rows(sl)
+            w = weights[sl, : mb.input_ids.shape[1]]
             adv = adv_mini[sl].unsqueeze(-1)  # (b, 1): one advantage for every token
             logp, ent = token_logprobs(
                 model, mb, settings.temperature, settings.top_p, with_entropy=True
@@ -74,9 +103,9 @@ def grpo_update(
                 kl = kl_k3(logp, ref_logp)
                 loss_tok = loss_tok + settings.kl_coef * kl
                 sums["kl"] += float(masked_token_sum(kl.detach(), mb.loss_mask))
-            loss = masked_token_sum(loss_tok, mb.loss_mask) / step_tokens
+            loss = masked_token_sum(loss_tok, w)
             loss.backward()
-            sums["loss"] += float(masked_token_sum(loss_tok.detach(), mb.loss_mask))
+            objective += float(loss.detach())
             sums["clipfrac"] += float(masked_token_sum(clipped.float(), mb.loss_mask))
             assert ent is not None
             sums["entropy"] += float(masked_token_sum(ent, mb.loss_mask))
@@ -88,6 +117,7 @@ def grpo_update(
         optimizer.step()
     model.eval()
     out = {f"train/{k}": v / max(total_tokens, 1) for k, v in sums.items()}
+    out["train/loss"] = objective / len(minis)
     out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["train/tokens"] = float(total_tokens)
     return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gyre.policy import collate, token_logprobs
-from gyre.trainer import GRPOSettings, grpo_update, sft_step
+from gyre.trainer import GRPOSettings, grpo_update, sft_step, token_weights
 from gyre.types import Trajectory
 
 CPU = torch.device("cpu")
@@ -69,8 +69,9 @@ def test_token_logprobs_alignment(make_tiny_model, tokenizer):
     assert ent is not None and torch.all(ent[:, 1:][batch.attention_mask[:, 1:].bool()] > 0)
 
 
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("mini_batches", [1, 2])
-def test_grad_accumulation_invariance(make_tiny_model, tokenizer, mini_batches):
+def test_grad_accumulation_invariance(make_tiny_model, tokenizer, mini_batches, loss_agg):
     base = make_tiny_model(seed=0, sharp=True)
     trajs = _synthetic(base, tokenizer.pad_token_id)
     adv = torch.tensor([1.5, -0.5, -0.5, -0.5, 1.0, -1.0])
@@ -80,7 +81,11 @@ def test_grad_accumulation_invariance(make_tiny_model, tokenizer, mini_batches):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         settings = GRPOSettings(
-            clip_eps=0.2, mini_batches=mini_batches, micro_batch_size=micro, max_grad_norm=1e9
+            clip_eps=0.2,
+            mini_batches=mini_batches,
+            micro_batch_size=micro,
+            max_grad_norm=1e9,
+            loss_agg=loss_agg,
         )
         batch = collate(trajs, tokenizer.pad_token_id, CPU)
         metrics = grpo_update(
@@ -152,3 +157,16 @@ def test_sft_step_accumulation_invariance(make_tiny_model, tokenizer):
     assert out[0][1]["sft/loss"] == pytest.approx(out[1][1]["sft/loss"], rel=1e-5)
     # an untrained model's loss is about ln(vocab)
     assert out[0][1]["sft/loss"] == pytest.approx(torch.log(torch.tensor(100.0)).item(), abs=0.3)
+
+
+def test_token_weights_hand_values():
+    mask = torch.tensor([[0.0, 1, 1, 1, 1], [0.0, 1, 1, 0, 0]])
+    tm = token_weights(mask, "token-mean")
+    torch.testing.assert_close(tm, mask / 6)
+    sm = token_weights(mask, "seq-mean-token-mean")
+    # row 0: 4 tokens -> 1/(4*2) each; row 1: 2 tokens -> 1/(2*2) each; each row sums to 1/2
+    torch.testing.assert_close(sm[0], torch.tensor([0.0, 0.125, 0.125, 0.125, 0.125]))
+    torch.testing.assert_close(sm[1], torch.tensor([0.0, 0.25, 0.25, 0.0, 0.0]))
+    assert sm.sum().item() == pytest.approx(1.0) and tm.sum().item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        token_weights(mask, "token-sum")
