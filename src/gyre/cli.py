@@ -17,7 +17,6 @@ from pathlib import Path
 
 from gyre.config import Config, ConfigError, describe_fields, load_config
 
-
 _KEYS_HELP = """common keys (all of them: gyre --help-config):
   run.dir=PATH          run directory (default runs/<env>-<timestamp>)
   run.seed=N            master seed
@@ -33,7 +32,8 @@ _KEYS_HELP = """common keys (all of them: gyre --help-config):
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     parser = argparse.ArgumentParser(
         prog="gyre",
-        description="gyre: RL post-training of language models.\n\n" + (__doc__ or "").split("\n\n")[1],
+        description="gyre: RL post-training of language models.\n\n"
+        + (__doc__ or "").split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Examples:\n  gyre train\n  gyre train examples/arithmetic/config.yaml "
         "train.steps=20\n  gyre train run.dir=runs/a run.resume=auto\n"

@@ -136,16 +136,71 @@ def test_reset_is_deterministic_after_play():
     assert env.pos == env.start and env.moves == 0 and not env.done
 
 
-@pytest.mark.parametrize("view", [0, 1, 2])
-def test_observation_has_one_agent(view):
-    env = MazeEnv(view=view)
+@pytest.mark.parametrize(("observation", "view"), [("grid", 2), ("window", 1), ("window", 2)])
+def test_full_observations_have_one_agent(observation, view):
+    env = MazeEnv(view=view, observation=observation)
     rng = np.random.default_rng(0)
     for seed in range(10):
         obs = env.reset(seed)
         assert isinstance(obs, str) and obs.count("A") == 1
         while not env.done:
             obs, _, _, _ = env.step(env.random_action(rng))
-            assert obs.count("A") == 1
+            assert obs.count("A") == 1 and obs.endswith(">")
+
+
+def _expected_view(env: MazeEnv) -> str:
+    cells = []
+    for dr, dc in MOVES.values():
+        r, c = env.pos[0] + dr, env.pos[1] + dc
+        if not _inside(env, (r, c)) or env.walls[r, c]:
+            cells.append("#")
+        elif (r, c) == env.goal:
+            cells.append("G")
+        else:
+            cells.append("+" if (r, c) in env.visited else ".")
+    gr, gc = env.goal[0] - env.pos[0], env.goal[1] - env.pos[1]
+    offset = f"{'u' if gr < 0 else 'd'}{abs(gr)}{'l' if gc < 0 else 'r'}{abs(gc)}"
+    return "".join(cells) + offset + ">"
+
+
+def test_compass_observation_matches_documented_format():
+    env = MazeEnv()  # observation="compass" is the default
+    rng = np.random.default_rng(1)
+    for seed in range(10):
+        first = env.reset(seed)
+        lines = first.split("\n")
+        grid, view = lines[:-1], lines[-1]
+        assert len(grid) == env.size and all(len(row) == env.size for row in grid)
+        assert "".join(grid).count("A") == 1 and "".join(grid).count("G") == 1
+        r, c = env.pos
+        assert grid[r][c] == "A" and grid[env.goal[0]][env.goal[1]] == "G"
+        assert view == _expected_view(env)
+        while not env.done:
+            obs, _, _, _ = env.step(env.random_action(rng))
+            assert obs == _expected_view(env)  # later turns: only the agent's view
+
+
+def test_visited_cells_are_marked():
+    env = MazeEnv()
+
+    def free_non_goal(e, m):
+        t = _target(e, m)
+        return _inside(e, t) and not e.walls[t] and t != e.goal
+
+    seed, move = _find(free_non_goal, env)
+    env.reset(seed)
+    start = env.pos
+    back = {"u": "d", "d": "u", "l": "r", "r": "l"}[move]
+    _, _, done, _ = env.step(move)
+    assert not done  # the budget is at least 8 moves
+    obs, _, _, _ = env.step(back)
+    assert env.pos == start
+    assert obs[list(MOVES).index(move)] == "+"  # the cell we came back from is marked visited
+
+
+def test_unknown_observation_rejected():
+    with pytest.raises(ValueError, match="compass"):
+        MazeEnv(observation="pixels")
 
 
 def test_invalid_budget_factor_rejected():
@@ -171,7 +226,7 @@ def test_grid_edge_blocks_move_and_counts():
     assert env.pos == start
     assert env.moves == 1 and info["moves"] == 1
     assert reward == 0.0 and not done and not info["malformed"]
-    assert obs.count("A") == 1
+    assert obs == _expected_view(env)
 
 
 def test_wall_blocks_move_and_counts():

@@ -16,7 +16,9 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
     """A zero-argument constructor for the env named by ``cfg.name``."""
     if cfg.name == "maze":
         m = cfg.maze
-        return lambda: MazeEnv(m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation)
+        return lambda: MazeEnv(
+            m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation
+        )
     if cfg.name == "arithmetic":
         a = cfg.arithmetic
         return lambda: ArithmeticEnv(a.max_operand, a.ops)
