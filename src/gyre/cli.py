@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             from gyre.model import load_pretrained
 
             model, tok = load_pretrained(Path(cfg.model.path), device)
-            res = loop._eval(cfg, TorchEngine(model, tok.pad_token_id, cfg.run.seed), tok)
+            res = loop.run_eval(cfg, TorchEngine(model, tok.pad_token_id, cfg.run.seed), tok)
             (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
             console.print(_table([(cfg.model.path, res)]))
     except (FileNotFoundError, FileExistsError, ValueError) as exc:

@@ -61,7 +61,9 @@ class MazeConfig(_Section):
         description="compass: grid once, then neighbours + goal offset; window: a local square; "
         "grid: the whole grid every turn.",
     )
-    view: int = Field(2, ge=1, description="Window radius for observation=window.")
+    view: int = Field(
+        1, ge=1, description="View radius: compass cells within this many moves; window half-width."
+    )
 
 
 class ArithmeticConfig(_Section):

@@ -72,7 +72,8 @@ def _sampling(cfg: Config, tokenizer: Any, seed: int | None) -> SamplingParams:
     return SamplingParams(s.temperature, s.top_p, s.max_new_tokens, stop_ids(tokenizer), seed)
 
 
-def _eval(cfg: Config, engine: TorchEngine, tokenizer: Any) -> dict[str, float]:
+def run_eval(cfg: Config, engine: TorchEngine, tokenizer: Any) -> dict[str, float]:
+    """Held-out evaluation of the engine's current weights with the run's settings."""
     if cfg.eval.episodes == 0:
         return {}
     return evaluate(
@@ -182,7 +183,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     out = MultiSink(*sinks)
 
     if "before" not in state["evals"]:
-        state["evals"]["before"] = _eval(cfg, engine, tokenizer)
+        state["evals"]["before"] = run_eval(cfg, engine, tokenizer)
         out.log(start_step, dict(state["evals"]["before"]))
     make_env = env_factory(cfg.env)
     advantage_fn = get_advantage_fn("grpo")
@@ -244,7 +245,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         )
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             with timed(m, "time/eval_s"):
-                m.update(_eval(cfg, engine, tokenizer))
+                m.update(run_eval(cfg, engine, tokenizer))
         out.log(step, m)
         # 7. checkpoint
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
@@ -258,7 +259,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 cfg.checkpoint.keep,
             )
 
-    after = _eval(cfg, engine, tokenizer)
+    after = run_eval(cfg, engine, tokenizer)
     state["evals"]["after"] = after
     out.log(cfg.train.steps, dict(after))
     if cfg.train.steps > start_step and (

@@ -142,6 +142,7 @@ def sft_step(
         loss = -masked_token_sum(logp, mb.loss_mask) / step_tokens
         loss.backward()
         total += float(loss.detach()) * step_tokens
+        # token_acc: the share of target tokens the model gives more than half its probability
         correct += float(masked_token_sum((logp.detach() > -0.6931).float(), mb.loss_mask))
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
     optimizer.step()

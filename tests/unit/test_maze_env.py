@@ -350,3 +350,16 @@ def test_random_action_is_well_formed():
     rng = np.random.default_rng(0)
     for _ in range(20):
         assert parse_action(env.random_action(rng)) is not None
+
+
+def test_compass_offsets_rings():
+    from gyre.envs.maze import compass_offsets
+
+    assert compass_offsets(1) == [(-1, 0), (1, 0), (0, -1), (0, 1)]
+    two = compass_offsets(2)
+    assert len(two) == 12 and two[:4] == compass_offsets(1)
+    assert two[4:] == [(-2, 0), (-1, -1), (-1, 1), (0, -2), (0, 2), (1, -1), (1, 1), (2, 0)]
+    env = MazeEnv(view=2)
+    env.reset(3)
+    view = env.step("jump")[0]
+    assert len(view) == 12 + 4 + 1 and view.endswith(">")

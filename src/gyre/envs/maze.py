@@ -17,9 +17,11 @@ later observation is only the agent's view::
     #####
     .###u2r0>     <- the agent's view (every turn)
 
-The view is four characters for the cells up, down, left and right of the agent, then the
-goal's offset, then the prompt ``>``. ``u2r0`` says the goal is 2 rows up and 0 columns right
-(``u``/``d`` then ``l``/``r``, each with a count).
+The view lists the cells around the agent, nearest first: with ``view=1`` (the default) the four
+cells up, down, left and right; with ``view=2`` those four, then the eight cells two moves away,
+row by row (see :func:`compass_offsets`). Then comes the goal's offset and the prompt ``>``.
+``u2r0`` says the goal is 2 rows up and 0 columns right (``u``/``d`` then ``l``/``r``, each
+with a count).
 
 ``window``: every turn, a ``(2 * view + 1)`` square window centred on the agent (``A``), then
 the offset and ``>``. ``grid``: every turn, the whole grid, then the offset and ``>``.
@@ -55,6 +57,20 @@ def parse_action(text: str) -> str | None:
     return a if a in MOVES else None
 
 
+def compass_offsets(radius: int) -> list[tuple[int, int]]:
+    """Cells the compass view lists: every (dr, dc) with 1 <= |dr| + |dc| <= radius, nearest
+    first; the four neighbours in the order u, d, l, r, then each farther ring row by row."""
+    out = list(MOVES.values())
+    for dist in range(2, radius + 1):
+        out += [
+            (dr, dc)
+            for dr in range(-dist, dist + 1)
+            for dc in range(-dist, dist + 1)
+            if abs(dr) + abs(dc) == dist
+        ]
+    return out
+
+
 def bfs_distances(walls: np.ndarray, target: tuple[int, int]) -> np.ndarray:
     """Moves from every cell to ``target`` (-1 where unreachable or a wall)."""
     n, m = walls.shape
@@ -80,7 +96,7 @@ class MazeEnv:
         wall_density: float = 0.3,
         min_distance: int = 4,
         budget_factor: float = 2.0,
-        view: int = 2,
+        view: int = 1,
         observation: str = "compass",
     ) -> None:
         if size < 2:
@@ -174,7 +190,7 @@ class MazeEnv:
         """The observation text (see the module docstring for the three formats)."""
         pr, pc = self.pos
         if self.observation == "compass":
-            near = "".join(self._cell(pr + dr, pc + dc) for dr, dc in MOVES.values())
+            near = "".join(self._cell(pr + dr, pc + dc) for dr, dc in compass_offsets(self.view))
             view = near + self._offset() + ">"
             return "\n".join([*self._grid(), view]) if first else view
         if self.observation == "window":
