@@ -48,15 +48,21 @@ def test_engine_logprobs_match_trainer(tokenizer, make_tiny_model, temperature, 
     assert _masked_gap(model, trajs, tokenizer.pad_token_id, 2.0, 1.0) > 1e-2
 
 
-def test_kv_reuse_matches_fresh_prefill_greedy(tokenizer, make_tiny_model):
-    model = make_tiny_model(seed=3, sharp=True)
+def _reuse_vs_fresh(tokenizer, model, params):
+    """The same episodes through an engine that reuses KV caches and one that never can."""
     reuse = TorchEngine(model, tokenizer.pad_token_id, seed=0)
     fresh = RecordingEngine(
         TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, seed=0), strip_sessions=True
     )
-    params = SamplingParams(0.0, 1.0, 3, stop_ids(tokenizer), seed=0)
     a = run_episodes(make_env, reuse, tokenizer, SEEDS, 2, params)
     b = run_episodes(make_env, fresh, tokenizer, SEEDS, 2, params)
+    return a, b, reuse, fresh
+
+
+def test_kv_reuse_matches_fresh_prefill_greedy(tokenizer, make_tiny_model):
+    model = make_tiny_model(seed=3, sharp=True)
+    params = SamplingParams(0.0, 1.0, 3, stop_ids(tokenizer), seed=0)
+    a, b, reuse, fresh = _reuse_vs_fresh(tokenizer, model, params)
     assert max(t.num_turns for t in a) > 1
     assert len({t.num_turns for t in a}) > 1, "want episodes that end at different turns"
     for ta, tb in zip(a, b, strict=True):
@@ -74,13 +80,8 @@ def test_kv_reuse_matches_fresh_prefill_greedy(tokenizer, make_tiny_model):
 
 def test_kv_reuse_matches_fresh_prefill_sampled(tokenizer, make_tiny_model):
     model = make_tiny_model(seed=4, sharp=True)
-    reuse = TorchEngine(model, tokenizer.pad_token_id, seed=0)
-    fresh = RecordingEngine(
-        TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, seed=0), strip_sessions=True
-    )
     params = SamplingParams(1.0, 1.0, 3, stop_ids(tokenizer), seed=123)
-    a = run_episodes(make_env, reuse, tokenizer, SEEDS, 2, params)
-    b = run_episodes(make_env, fresh, tokenizer, SEEDS, 2, params)
+    a, b, _, _ = _reuse_vs_fresh(tokenizer, model, params)
     for ta, tb in zip(a, b, strict=True):
         assert ta.token_ids == tb.token_ids
         torch.testing.assert_close(
