@@ -1,8 +1,9 @@
 """Optimizer steps: GRPO (PPO-clip on group-normalised advantages) and SFT.
 
-Normalisation: every loss term is summed over tokens and divided by the number of loss tokens in
-the whole optimizer step (counted before the micro-batch loop), never per micro-batch. So the
-gradient of one optimizer step is identical whatever the micro-batch size.
+Normalisation: per-token weights for the whole optimizer step are fixed before the micro-batch
+loop (:func:`token_weights`: 1 / step token count for ``token-mean``, 1 / (row length x rows) for
+``seq-mean-token-mean``), never per micro-batch. So the gradient of one optimizer step is
+identical whatever the micro-batch size (tested).
 """
 
 from __future__ import annotations
