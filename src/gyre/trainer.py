@@ -82,7 +82,7 @@ def grpo_update(
     for mini_idx in minis:
         mini = batch.rows(mini_idx)
         adv_mini = advantages[mini_idx]
-        step_tokens = max(mini.num_tokens, 1)  # the whole optimizer step's token count
+        step_tokens = max(mini.num_tokens, 1)  # loss tokens of this optimizer step (for metrics)
         total_tokens += step_tokens
         optimizer.zero_grad(set_to_none=True)
         # Per-token weights of the whole optimizer step, fixed before the micro-batch loop.
