@@ -3,6 +3,8 @@
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
     gyre eval  [CONFIG.yaml] [key=value ...]   evaluate model.path on held-out seeds
+    gyre serve MODEL_DIR [--host H] [--port N] [--api-key KEY]   OpenAI-compatible server
+    gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
 
 With no config file the built-in maze default is used. Keys are dotted config paths, e.g.
 ``run.dir=runs/x train.steps=20 model.path=/models/my-llm``; ``--help-config`` lists them all.
@@ -86,8 +88,13 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("serve", "export"):  # these take paths and flags, not config keys
+        from gyre import export, server
+
+        return {"serve": server.main, "export": export.main}[argv[0]](argv[1:])
     try:
-        ns, cfg = _parse(sys.argv[1:] if argv is None else argv)
+        ns, cfg = _parse(argv)
     except ConfigError as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -34,6 +41,16 @@ class RunConfig(_Section):
     threads: int = Field(0, ge=0, description="Torch intra-op threads; 0 uses every core.")
 
 
+class LoraConfig(_Section):
+    rank: int = Field(8, gt=0, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | str = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names to adapt (peft target_modules), or 'all-linear'.",
+    )
+
+
 class ModelConfig(_Section):
     path: str = Field(
         "", description="Local Hugging Face causal-LM folder; empty builds the tiny default."
@@ -43,6 +60,9 @@ class ModelConfig(_Section):
     num_heads: int = Field(4, gt=0, description="Tiny default: attention heads.")
     intermediate_size: int = Field(384, gt=0, description="Tiny default: MLP width.")
     max_positions: int = Field(1024, gt=0, description="Tiny default: longest context in tokens.")
+    lora: LoraConfig | None = Field(
+        None, description="LoRA adapter training (peft); null trains every weight."
+    )
 
 
 class MazeConfig(_Section):
@@ -123,6 +143,43 @@ class TrainConfig(_Section):
     )
 
 
+class EngineConfig(_Section):
+    kind: Literal["torch", "http"] = Field(
+        "torch", description="torch: in-process engine; http: OpenAI-compatible servers."
+    )
+    urls: list[str] = Field(
+        default_factory=list, description="http: server base URLs, e.g. http://10.0.0.5:8000."
+    )
+    api_key: str = Field("", description="http: bearer token sent to every server.")
+    model: str = Field("", description="http: served base model name; empty asks /v1/models.")
+    timeout_s: float = Field(120.0, gt=0, description="http: per-request timeout in seconds.")
+    max_retries: int = Field(
+        8, ge=0, description="http: retries of one request on other servers before giving up."
+    )
+    health_interval_s: float = Field(
+        1.0, gt=0, description="http: how often dead servers are probed to be put back."
+    )
+    max_concurrency: int = Field(
+        64, gt=0, description="http: requests in flight at once across all servers."
+    )
+    sync_dir: str = Field(
+        "", description="Where weights/adapters are written for engines; empty = <run.dir>/sync."
+    )
+    sync_every: int = Field(1, gt=0, description="Sync the engines every N policy updates.")
+    sync_keep: int = Field(2, ge=1, description="Synced versions kept on disk.")
+    weight_sync: Literal["memory", "disk"] = Field(
+        "memory",
+        description="torch engine only: copy tensors in memory, or go through sync_dir files "
+        "(http engines always use disk).",
+    )
+
+    @model_validator(mode="after")
+    def _need_urls(self) -> EngineConfig:
+        if self.kind == "http" and not self.urls:
+            raise ValueError("engine.urls must list at least one server when engine.kind=http")
+        return self
+
+
 class EvalConfig(_Section):
     episodes: int = Field(500, ge=0, description="Held-out episodes per evaluation.")
     every: int = Field(20, ge=0, description="Evaluate every N GRPO steps; 0 only before/after.")
@@ -157,6 +214,9 @@ class Config(_Section):
         default_factory=CheckpointConfig, description="Checkpointing."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="Rollout engine and weight sync."
+    )
 
     @field_validator("run")
     @classmethod

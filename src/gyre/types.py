@@ -22,6 +22,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_logprobs: int = 0  # also return the k most likely tokens' logprobs at every step
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Completion:
     token_ids: list[int]  # (N,) generated tokens, including a stop token if one was hit
     logprobs: list[float]  # (N,) log-prob of each token under the distribution sampled from
     finish_reason: str  # "stop" or "length"
+    top_logprobs: list[dict[int, float]] | None = None  # (N,) k best {token id: logprob}, if asked
 
 
 @dataclass

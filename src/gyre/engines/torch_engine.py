@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+import safetensors.torch
 import torch
 from transformers import DynamicCache
 
-from gyre.sampling import sample_tokens
+from gyre.sampling import sample_tokens, sampling_logprobs
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 
@@ -54,6 +56,37 @@ class TorchEngine:
         self.version = version
         self._state = None  # cached keys/values belong to the old weights
 
+    def load_weights_from_disk(self, path: str | Path, version: int) -> int:
+        """Full-weight sync from a Hugging Face folder's safetensors; returns ``version``."""
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in '{path}'")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(safetensors.torch.load_file(f, device=str(self.device)))
+        own = self.model.state_dict()
+        if hasattr(self.model, "peft_config"):
+            raise ValueError("this engine holds a LoRA adapter: sync it with load_adapter")
+        missing = [k for k in state if k not in own]
+        if missing:
+            raise ValueError(f"weights in '{path}' do not fit the engine's model: {missing[:3]}")
+        self.load_weights(state, version)
+        return version
+
+    def load_adapter(self, path: str | Path, version: int) -> int:
+        """Adapter sync: load a peft adapter folder as the active adapter; returns ``version``."""
+        from gyre.lora import load_adapter_into
+
+        self.model = load_adapter_into(self.model, Path(path), f"v{version}").eval()
+        active = f"v{version}"
+        self.model.set_adapter(active)
+        for name in list(self.model.peft_config):
+            if name != active:
+                self.model.delete_adapter(name)
+        self.version = version
+        self._state = None
+        return version
+
     def release(self, sessions: Iterable[Hashable]) -> None:
         gone = set(sessions)
         if self._state is not None and all(s in gone for s in self._state.sessions):
@@ -78,16 +111,23 @@ class TorchEngine:
         stop = set(params.stop_token_ids)
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
+        k = params.top_logprobs
+        out_top: list[list[dict[int, float]]] = [[] for _ in range(B)]
         finished = [False] * B
         reasons = ["length"] * B
         for step in range(params.max_new_tokens):
             tokens, logps = sample_tokens(logits, params.temperature, params.top_p, self._generator)
             tok_list, lp_list = tokens.tolist(), logps.tolist()
+            if k > 0:
+                top = sampling_logprobs(logits, params.temperature, params.top_p).topk(k, dim=-1)
+                top_v, top_i = top.values.tolist(), top.indices.tolist()
             for i in range(B):
                 if finished[i]:
                     continue
                 out_ids[i].append(tok_list[i])
                 out_lp[i].append(lp_list[i])
+                if k > 0:
+                    out_top[i].append(dict(zip(top_i[i], top_v[i], strict=True)))
                 if tok_list[i] in stop:
                     finished[i] = True
                     reasons[i] = "stop"
@@ -96,7 +136,10 @@ class TorchEngine:
             # Feed the tokens just sampled; finished rows get a masked pad column.
             chunk = [[] if finished[i] else [tok_list[i]] for i in range(B)]
             logits = self._feed(chunk)
-        return [Completion(out_ids[i], out_lp[i], reasons[i]) for i in range(B)]
+        return [
+            Completion(out_ids[i], out_lp[i], reasons[i], out_top[i] if k > 0 else None)
+            for i in range(B)
+        ]
 
     def _prefill(self, requests: list[GenerationRequest]) -> torch.Tensor:
         state = self._state
