@@ -29,9 +29,10 @@ import torch
 from gyre.algos import get_advantage_fn
 from gyre.checkpoint import find_resume, list_checkpoints, load_checkpoint_state, save_checkpoint
 from gyre.config import Config, dump_config, resolve_run_dir
-from gyre.engines import TorchEngine
+from gyre.engines import TorchEngine, build_engine, initial_sync
 from gyre.envs import env_factory
 from gyre.evaluate import evaluate, train_seed
+from gyre.lora import AdapterDisabled, load_policy, trainable_parameters
 from gyre.model import create_tiny_checkpoint, load_pretrained, resolve_device
 from gyre.policy import collate
 from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
@@ -157,22 +158,28 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         if cfg.sft.steps > 0:
             policy_path = run_sft(cfg, run_dir, device, policy_path)
 
-    model, tokenizer = load_pretrained(policy_path, device)
-    engine = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, seed=cfg.run.seed)
-    ref_model = copy.deepcopy(model).eval() if cfg.train.kl_coef > 0 else None
-    if ref_model is not None and resume_from is not None:
+    model, tokenizer = load_policy(cfg, run_dir, policy_path, device)
+    engine, syncer = build_engine(cfg, model, tokenizer, run_dir)
+    lora = cfg.model.lora is not None
+    if lora:  # the reference is the same model with its adapter off: no second copy
+        ref_model = AdapterDisabled(model) if cfg.train.kl_coef > 0 else None
+    else:
+        ref_model = copy.deepcopy(model).eval() if cfg.train.kl_coef > 0 else None
+    if ref_model is not None and resume_from is not None and not lora:
         # The reference is the policy GRPO started from, not the checkpoint's.
         start = run_dir / "sft" if (run_dir / "sft").is_dir() else base_model_path(cfg, run_dir)
         ref_model, _ = load_pretrained(start, device)
         ref_model.eval()
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+        trainable_parameters(model), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
     )
     start_step = 0
     if resume_from is not None:
         state = load_checkpoint_state(resume_from, optimizer)
         start_step = int(state["step"])
         engine.version = int(state.get("policy_version", start_step))
+    sft_base = run_dir / "sft" if lora and (run_dir / "sft").is_dir() else None
+    initial_sync(syncer, model, engine.version, sft_base)
 
     sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
     console = _console(cfg, cfg.train.steps, "GRPO")
@@ -228,8 +235,9 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
             gen.manual_seed(cfg.run.seed * 100_003 + step)
             m.update(grpo_update(model, optimizer, batch, adv.to(device), settings, ref_model, gen))
         # 5. weight sync
-        with timed(m, "time/sync_s"):
-            engine.load_weights(model.state_dict(), version=step)
+        if syncer.due(step, cfg.train.steps):
+            with timed(m, "time/sync_s"):
+                m.update(syncer.sync(model, version=step))
         # 6. log
         grouped = rewards.view(-1, cfg.train.group_size)
         m.update(
@@ -280,6 +288,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     model.save_pretrained(final)
     tokenizer.save_pretrained(final)
     out.close()
+    if hasattr(engine, "close"):
+        engine.close()
     summary = {
         "run_dir": str(run_dir),
         "steps": cfg.train.steps,

@@ -20,7 +20,6 @@ recomputes. It binds 127.0.0.1 unless told otherwise; ``--api-key`` makes every 
 ``/health`` require ``Authorization: Bearer KEY``.
 """
 
-
 import argparse
 import asyncio
 import itertools
@@ -167,7 +166,9 @@ class ModelHost:
             try:
                 self.engine.model = load_adapter_into(self.engine.model, Path(path), name).eval()
             except (FileNotFoundError, ValueError, KeyError, RuntimeError) as exc:
-                raise ApiError(400, f"cannot load adapter from '{path}': {exc}", "lora_path")
+                raise ApiError(
+                    400, f"cannot load adapter from '{path}': {exc}", "lora_path"
+                ) from exc
             self.adapters[name] = path
             self.engine._state = None
 
@@ -417,9 +418,7 @@ def create_app(
         from fastapi.responses import PlainTextResponse
 
         await batcher.run_in_engine(host.unload_lora, body.lora_name)
-        return PlainTextResponse(
-            f"Success: LoRA adapter '{body.lora_name}' removed successfully."
-        )
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/update_weights_from_disk", dependencies=auth)
     async def update_weights(body: UpdateWeightsBody) -> Any:
@@ -537,7 +536,9 @@ def _prompts(host: ModelHost, prompt: Any) -> list[list[int]]:
             bad = [t for t in ids if not 0 <= t < host.vocab_size]
             if bad:
                 raise ApiError(
-                    400, f"prompt {i}: token id {bad[0]} is outside [0, {host.vocab_size})", "prompt"
+                    400,
+                    f"prompt {i}: token id {bad[0]} is outside [0, {host.vocab_size})",
+                    "prompt",
                 )
         if not ids:
             raise ApiError(400, f"prompt {i} is empty", "prompt")
