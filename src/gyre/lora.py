@@ -34,6 +34,11 @@ def _peft() -> Any:
     return peft
 
 
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """A ``peft.PeftModel`` (an adapter wrapper), not a plain model."""
+    return hasattr(model, "merge_and_unload") and hasattr(model, "peft_config")
+
+
 def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
@@ -133,7 +138,7 @@ def save_full_atomic(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> i
     tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    plain = merged_copy(model) if hasattr(model, "peft_config") else model
+    plain = merged_copy(model) if is_peft_model(model) else model
     plain.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
