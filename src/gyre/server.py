@@ -79,6 +79,7 @@ class CompletionBody(_Body):
     echo: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    ignore_eos: bool = False
     skip_special_tokens: bool = True
 
 
@@ -103,6 +104,7 @@ class ChatBody(_Body):
     stream: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    ignore_eos: bool = False
     skip_special_tokens: bool = True
 
 
@@ -574,8 +576,8 @@ def _params(host: ModelHost, body: Any, max_new: int, top_k: int) -> SamplingPar
             )
         stop_ids.append(ids[0])
     eos = host.tokenizer.eos_token_id
-    if eos is not None:
-        stop_ids.append(eos)  # like vLLM: EOS always ends a completion
+    if eos is not None and not body.ignore_eos:
+        stop_ids.append(eos)  # like vLLM: EOS ends a completion unless ignore_eos
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,

@@ -251,10 +251,11 @@ class HttpEngine:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
+            "ignore_eos": True,  # stop exactly on stop_token_ids, as the in-process engine does
             "stop_token_ids": list(params.stop_token_ids),
         }
-        if params.seed is not None:
-            body["seed"] = (params.seed + index) % 2**31  # distinct per request, reproducible
+        # No per-request ``seed``: a seeded request cannot share a batch on gyre serve, and the
+        # sampling RNG lives in the servers anyway (HTTP rollouts are not bit-reproducible).
         return body
 
     def _complete(self, prompt: list[int], params: SamplingParams, index: int) -> Completion:
