@@ -95,7 +95,6 @@ def test_adapter_files_and_disk_sync_into_torch_engine(make_tiny_model, tokenize
     assert {p.name for p in (tmp_path / "sync" / "v3").iterdir()} == {
         "adapter_model.safetensors",
         "adapter_config.json",
-        "README.md",
     }
     n = save_adapter_atomic(policy, tmp_path / "one")
     assert n == sum(f.stat().st_size for f in (tmp_path / "one").iterdir())
