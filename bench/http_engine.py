@@ -69,6 +69,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sync-repeats", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sync-only", action="store_true", help="skip the throughput part")
+    ap.add_argument("--hidden-size", type=int, default=ModelConfig().hidden_size)
+    ap.add_argument("--num-layers", type=int, default=ModelConfig().num_layers)
+    ap.add_argument("--intermediate-size", type=int, default=ModelConfig().intermediate_size)
     ns = ap.parse_args()
     if ns.quick:
         ns.prompts, ns.group, ns.new_tokens, ns.repeats, ns.sync_repeats = 2, 2, 4, 1, 1
@@ -77,7 +81,12 @@ def main() -> None:
     report: dict = {"bench": "http_engine", "threads": 1}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        create_tiny_checkpoint(ModelConfig(), root / "model", seed=0)
+        mcfg = ModelConfig(
+            hidden_size=ns.hidden_size,
+            num_layers=ns.num_layers,
+            intermediate_size=ns.intermediate_size,
+        )
+        create_tiny_checkpoint(mcfg, root / "model", seed=0)
         model, tokenizer = load_pretrained(root / "model", torch.device("cpu"))
         report["model_params"] = count_parameters(model)
         srv = start_server(root / "model", root)
@@ -85,9 +94,12 @@ def main() -> None:
         local = TorchEngine(model, tokenizer.pad_token_id, seed=0)
         try:
             # -- 1. throughput --------------------------------------------------------------
+            if ns.sync_only:
+                ns.repeats = 0
             reqs = _requests(tokenizer, ns.prompts, ns.group, seed=0)
             params = SamplingParams(1.0, 1.0, ns.new_tokens, (), seed=0)
-            _timed(local, reqs, params), _timed(http, reqs, params)  # warm up
+            if not ns.sync_only:
+                _timed(local, reqs, params), _timed(http, reqs, params)  # warm up
             rates: dict[str, list[float]] = {"inproc": [], "http": []}
             tokens = {}
             for _ in range(ns.repeats):
@@ -95,8 +107,8 @@ def main() -> None:
                     dt, n = _timed(eng, reqs, params)
                     rates[name].append(n / dt)
                     tokens[name] = n
-            best = {k: max(v) for k, v in rates.items()}
-            med = {k: statistics.median(v) for k, v in rates.items()}
+            best = {k: max(v, default=float("nan")) for k, v in rates.items()}
+            med = {k: statistics.median(v) if v else float("nan") for k, v in rates.items()}
             report["throughput"] = {
                 "prompts": ns.prompts,
                 "group": ns.group,
