@@ -4,6 +4,10 @@ An engine is stateless as far as callers can tell: a request carries the *full* 
 every turn (this is what the OpenAI-compatible completions API of vLLM / SGLang takes, where
 server-side prefix caching makes it cheap). An in-process engine may keep KV caches per
 ``session`` and reuse them when a new prompt extends the old one; results never depend on it.
+
+Engines that take weights from files also have ``load_adapter(path, version)`` (a peft adapter
+folder) and/or ``load_weights_from_disk(path, version)`` (a Hugging Face folder); both return
+once the new version serves (see :mod:`gyre.engines.sync`).
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ def initial_sync(
     """
     if syncer.mode != "disk":
         return {}
-    if syncer.lora and base_dir is not None:
+    if syncer.lora and base_dir is not None and syncer.cfg.kind == "http":
+        # (an in-process engine is a copy of the policy: it has these weights already)
         syncer.engine.load_weights_from_disk(base_dir, version)
     return syncer.sync(model, version)
