@@ -263,3 +263,36 @@ def test_dead_server_comes_back_resynced(sft_dir, tmp_path, tokenizer):
         engine.close()
         a.stop()
         b.stop()
+
+
+def test_sft_in_the_same_run_is_pushed_to_the_server_first(tmp_path):
+    """The server starts on the untrained init weights; the run's SFT output reaches it through
+    update_weights_from_disk before the first rollout, so step 1's logprobs already match."""
+    from gyre.config import ModelConfig
+    from gyre.model import create_tiny_checkpoint
+
+    run_dir = tmp_path / "run"
+    dims = ModelConfig(hidden_size=32, num_layers=2, intermediate_size=64)
+    create_tiny_checkpoint(dims, run_dir / "init", seed=0)  # what the run itself would build
+    srv = start_server(run_dir / "init", tmp_path)
+    try:
+        sft = ["sft.steps=5", "sft.demos=20", "sft.batch_size=8", "sft.lr=0.02"]
+        cfg = load_config(
+            None,
+            [
+                *TINY,
+                *GRPO,
+                *sft,
+                f"run.dir={run_dir}",
+                "train.steps=1",
+                f'engine.urls=["{srv.url}"]',
+                f"engine.sync_dir={tmp_path / 'shared'}",
+            ],
+        )
+        train(cfg)
+        (rec,) = [r for r in _records(run_dir) if "train/loss" in r]
+        assert rec["train/logprob_gap"] < 1e-4
+        stats = httpx.get(f"{srv.url}/stats").json()
+        assert stats["weight_version"] == "0" and stats["engine_version"] >= 1
+    finally:
+        srv.stop()
