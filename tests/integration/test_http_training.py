@@ -8,6 +8,8 @@ rewards are sparse but not all zero), rank-4 LoRA, one thread.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -240,18 +242,25 @@ def test_dead_server_comes_back_resynced(sft_dir, tmp_path, tokenizer):
         assert len(engine.generate(reqs, params)) == 12
         assert all(s.served > 0 for s in engine.servers)
 
-        a.stop()
-        outs = engine.generate(reqs, params)  # nothing lost: all 12 come back
-        assert len(outs) == 12 and all(o.token_ids for o in outs)
+        # kill a while a long batch is in flight on both servers: nothing is lost
+        long = SamplingParams(temperature=1.0, max_new_tokens=200)
+        many = [GenerationRequest(list(prompt)) for _ in range(24)]
+        killer = threading.Timer(0.5, a.stop)
+        killer.start()
+        outs = engine.generate(many, long)
+        killer.join()
+        assert len(outs) == 24 and all(len(o.token_ids) == 200 for o in outs)
+        assert all(len(o.logprobs) == 200 for o in outs)
+        assert engine.stats["retries"] >= 1  # requests in flight on a were redone on b
         assert [s.alive for s in engine.servers] == [False, True]
         assert engine.stats["servers_taken_out"] >= 1
 
         a2 = start_server(sft_dir, tmp_path, port=a.port)
         try:
-            deadline = __import__("time").monotonic() + 60
+            deadline = time.monotonic() + 60
             while not engine.servers[0].alive:
-                assert __import__("time").monotonic() < deadline, "server never put back"
-                __import__("time").sleep(0.1)
+                assert time.monotonic() < deadline, "server never put back"
+                time.sleep(0.1)
             ids = [m["id"] for m in httpx.get(f"{a2.url}/v1/models").json()["data"]]
             assert "gyre-v7" in ids  # resynced before taking requests
             served_before = engine.servers[0].served

@@ -272,7 +272,6 @@ class HttpEngine:
             else:
                 self._done(s, ok=r.status_code == 200)
                 if r.status_code == 200:
-                    self.stats["requests"] += 1
                     return _parse_completion(r.json(), s.url)
                 if r.status_code >= 500 or r.status_code == 404:
                     # 404: the server lacks the current adapter (e.g. restarted): resync first.
@@ -280,7 +279,8 @@ class HttpEngine:
                 else:
                     raise ServerError(f"{s.url} rejected a completion: {r.status_code} {r.text}")
             attempts += 1
-            self.stats["retries"] += 1
+            with self._cond:
+                self.stats["retries"] += 1
             if attempts > self.max_retries:
                 raise NoServerError(
                     f"a completion failed {attempts} times; last errors: "
@@ -315,6 +315,7 @@ class HttpEngine:
             s.inflight -= 1
             if ok:
                 s.served += 1
+                self.stats["requests"] += 1
 
     def _take_out(self, s: ServerState, why: str) -> None:
         with self._cond:
