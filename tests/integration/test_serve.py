@@ -273,3 +273,29 @@ def test_update_weights_from_disk(served, client, make_tiny_model, tokenizer, tm
             json={"model_path": str(srv.model_dir)},
             headers=headers,
         )
+
+
+def test_multi_turn_maze_rollout_over_http_is_token_exact(served, tokenizer):
+    """Maze episodes through HttpEngine -> gyre serve: the trainer's logprobs of the assembled
+    trajectories equal the server's sampled logprobs on every policy token, across turns."""
+    from gyre.config import EnvConfig
+    from gyre.engines.http_engine import HttpEngine
+    from gyre.envs import env_factory
+    from gyre.policy import collate, token_logprobs
+    from gyre.rollout import run_episodes, stop_ids
+    from gyre.types import SamplingParams
+
+    srv, model, _ = served
+    engine = HttpEngine([srv.url], api_key=KEY, timeout_s=60)
+    try:
+        params = SamplingParams(1.0, 1.0, 4, stop_ids(tokenizer))
+        trajs = run_episodes(env_factory(EnvConfig()), engine, tokenizer, [1, 2], 2, params)
+    finally:
+        engine.close()
+    assert max(t.num_turns for t in trajs) >= 2  # really multi-turn
+    batch = collate(trajs, tokenizer.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch)
+    mask = batch.loss_mask.bool()
+    assert mask.sum() > 8
+    torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], atol=1e-4, rtol=0)
