@@ -71,11 +71,29 @@ class ArithmeticConfig(_Section):
     ops: str = Field("+-", min_length=1, description="Operators to draw from, e.g. '+-*'.")
 
 
+class DatasetConfig(_Section):
+    path: str = Field(
+        "", description="JSONL file, one task a line: {\"prompt\": ..., \"answer\": ..., ...}."
+    )
+    prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
+    answer_field: str = Field(
+        "answer", min_length=1, description="Row key holding the reference answer."
+    )
+    eval_rows: int = Field(
+        0, ge=0, description="Last N rows are held out for evaluation; 0 evaluates on all rows."
+    )
+
+
 class EnvConfig(_Section):
-    name: Literal["maze", "arithmetic"] = Field("maze", description="Which built-in environment.")
+    name: Literal["maze", "arithmetic", "dataset"] = Field(
+        "maze", description="Which built-in environment."
+    )
     maze: MazeConfig = Field(default_factory=MazeConfig, description="Maze settings.")
     arithmetic: ArithmeticConfig = Field(
         default_factory=ArithmeticConfig, description="Arithmetic settings."
+    )
+    dataset: DatasetConfig = Field(
+        default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
     )
 
 
@@ -146,6 +164,59 @@ class LogConfig(_Section):
         return "off" if v is False else v
 
 
+class RewardFnConfig(_Section):
+    fn: str = Field(description="Import path 'module:function' of a batched reward function.")
+    name: str = Field("", description="Metric name (reward/<name>_mean); default: function name.")
+    weight: float = Field(1.0, description="Weight of this term in the total reward.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments passed on every call."
+    )
+    sandbox: bool = Field(
+        False, description="Run in the sandbox (subprocess, time/memory limits, no network)."
+    )
+
+    @field_validator("fn")
+    @classmethod
+    def _import_path(cls, v: str) -> str:
+        mod, sep, attr = v.partition(":")
+        if not sep or not mod.strip() or not attr.strip():
+            raise ValueError(f"expected 'module:function', got {v!r}")
+        return v
+
+
+class SandboxConfig(_Section):
+    timeout_s: float = Field(10.0, gt=0, description="Wall-time limit of one sandboxed call.")
+    memory_mb: int = Field(
+        1024, ge=64, description="Address-space limit (RLIMIT_AS) of a sandbox worker, in MiB."
+    )
+    network: Literal["deny", "allow"] = Field(
+        "deny",
+        description="deny: a new user+network namespace (no interfaces); fails loudly if the "
+        "kernel refuses. allow: no network isolation.",
+    )
+    workers: int = Field(2, gt=0, description="Worker processes, reused across calls.")
+    failure_reward: float = Field(0.0, description="Reward given to a sample whose call failed.")
+    max_failure_frac: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run when more than this fraction of a step's sandboxed calls fail.",
+    )
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFnConfig] = Field(
+        default_factory=list,
+        description="Reward functions; empty uses the env's own reward exactly.",
+    )
+    env_weight: float = Field(
+        1.0, description="Weight of the env's reward (the term 'env') when functions are set."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Limits for functions with sandbox: true."
+    )
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
@@ -157,6 +228,9 @@ class Config(_Section):
         default_factory=CheckpointConfig, description="Checkpointing."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="Reward functions beyond the env's reward."
+    )
 
     @field_validator("run")
     @classmethod

@@ -4,7 +4,8 @@
 -> evaluate -> write ``final/``. One GRPO step is seven numbered phases, each one call:
 
     1. rollout     env x engine episodes for ``tasks_per_step`` tasks x ``group_size`` samples
-    2. reward      the env's sparse reward, summed per episode
+    2. reward      the env's sparse reward, summed per episode, plus any configured reward
+                   functions (gyre.rewards: weighted, sandboxed if asked)
     3. advantages  group-relative (GRPO)
     4. update      PPO-clip on the policy's tokens, optional k3 KL to a frozen reference
     5. sync        copy the new weights into the engine (in process), version-stamped
@@ -34,6 +35,7 @@ from gyre.envs import env_factory
 from gyre.evaluate import evaluate, train_seed
 from gyre.model import create_tiny_checkpoint, load_pretrained, resolve_device
 from gyre.policy import collate
+from gyre.rewards import build_rewarder
 from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
 from gyre.trainer import GRPOSettings, grpo_update, sft_step
@@ -148,6 +150,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """SFT (if ``sft.steps``) then GRPO for ``train.steps``; returns the run summary."""
     t_start = time.perf_counter()
     run_dir, device = setup(cfg, fresh_check=True)
+    # Built before any training so a bad reward config or a sandbox that cannot isolate fails now.
+    rewarder = build_rewarder(cfg.reward, run_dir / "reward_failures.jsonl")
     resume_from = find_resume(run_dir, cfg.run.resume)
     state: dict[str, Any] = {"cursor": 0, "evals": {}}
     if resume_from is not None:
@@ -218,6 +222,9 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 stats,
             )
         # 2. reward
+        if rewarder is not None:  # reward functions: t.reward becomes the weighted total
+            with timed(m, "time/reward_s"):
+                m.update(rewarder.score(trajs, tokenizer, step))
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
         # 3. advantages
@@ -280,6 +287,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     model.save_pretrained(final)
     tokenizer.save_pretrained(final)
     out.close()
+    if rewarder is not None:
+        rewarder.close()
     summary = {
         "run_dir": str(run_dir),
         "steps": cfg.train.steps,
