@@ -207,7 +207,8 @@ class SandboxConfig(_Section):
 class RewardConfig(_Section):
     functions: list[RewardFnConfig] = Field(
         default_factory=list,
-        description="Reward functions; empty uses the env's own reward exactly.",
+        description="Reward functions, each {fn: 'module:function', name, weight, kwargs, "
+        "sandbox}; empty uses the env's own reward exactly.",
     )
     env_weight: float = Field(
         1.0, description="Weight of the env's reward (the term 'env') when functions are set."
