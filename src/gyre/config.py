@@ -284,7 +284,10 @@ def _describe(errors: ValidationError, tree: dict[str, Any]) -> str:
         key = ".".join(loc)
         node: Any = tree
         for p in loc:
-            node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
+            if isinstance(node, list) and p.isdigit() and int(p) < len(node):
+                node = node[int(p)]  # list items, e.g. reward.functions.0.fn
+            else:
+                node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown config key '{key}' (value {node!r})")
         else:
