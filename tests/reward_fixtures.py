@@ -128,3 +128,14 @@ def crash(prompts, completions, **kw):
 def chatty(prompts, completions, **kw):
     print("this goes to stderr, not into the protocol")
     return [0.5] * len(prompts)
+
+
+def secret_len(prompts, completions, **kw):
+    """Length of GYRE_TEST_SECRET as the function sees it (0 when the variable is absent)."""
+    return [float(len(os.environ.get("GYRE_TEST_SECRET", "")))] * len(prompts)
+
+
+def reads_stdin(prompts, completions, **kw):
+    import sys
+
+    return [float(len(sys.stdin.read()))] * len(prompts)  # /dev/null in the sandbox: 0.0

@@ -179,3 +179,19 @@ def test_too_many_failures_stop_with_a_clear_error(tmp_path):
     msg = str(err.value)
     assert "4/8 calls failed" in msg and "reward.sandbox.max_failure_frac=0.4" in msg
     assert str(tmp_path / "failures.jsonl") in msg
+
+
+def test_async_rewards_and_stdin_and_environment(monkeypatch):
+    monkeypatch.setenv("GYRE_TEST_SECRET", "hunter2")
+    fns = ["reward_fixtures:async_double_env", "reward_fixtures:secret_len"]
+    p = SandboxPool(_sandbox(workers=1), [*fns, "reward_fixtures:reads_stdin"])
+    try:
+        req = _req("async_double_env")
+        req["columns"]["env_reward"] = [0.25]
+        res = p.map([req, _req("secret_len"), _req("reads_stdin"), _req("secret_len")])
+    finally:
+        p.close()
+    assert [r.values for r in res] == [[0.5], [0.0], [0.0], [0.0]]  # awaited; no secret; no stdin
+    import reward_fixtures as fx
+
+    assert fx.secret_len(["p"], ["c"]) == [7.0]  # the variable is set in the parent

@@ -8,10 +8,10 @@ It confines itself *before* it imports any user code, then serves calls until it
 2. memory: ``RLIMIT_AS`` soft = hard = the configured MiB (``MemoryError`` past it), no cores;
 3. it imports every configured reward module once, then answers ``call`` frames.
 
-Protocol: frames of a 4-byte big-endian length then UTF-8 JSON, on stdin (requests) and on a
-private duplicate of the original stdout (replies). fd 1 is pointed at stderr, so whatever the
-user code prints cannot corrupt the protocol. Replies are JSON, never pickle: the parent does not
-trust what comes back.
+Protocol: frames of a 4-byte big-endian length then UTF-8 JSON, on private duplicates of the
+original stdin (requests) and stdout (replies). fd 0 then reads /dev/null and fd 1 writes to
+stderr, so user code that reads input or prints cannot disturb the protocol. Replies are JSON,
+never pickle: the parent does not trust what comes back.
 """
 
 from __future__ import annotations
@@ -114,9 +114,14 @@ async def _await(aw: Any) -> Any:
 
 
 def main() -> int:
-    requests = sys.stdin.buffer
+    # Private, non-inheritable copies of the protocol pipes; fd 0 becomes /dev/null (user code
+    # calling input() cannot eat requests) and fd 1 stderr (its prints cannot corrupt replies).
+    requests = os.fdopen(os.dup(0), "rb")
     replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # user prints go to stderr, never into the protocol
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
     init = read_frame(requests)
     if init is None:
         return 1

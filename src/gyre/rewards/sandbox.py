@@ -13,9 +13,13 @@ Guarantees (what is enforced, and how):
   runs with network unless ``network="allow"`` was asked for;
 - **isolation of the parent**: replies are length-prefixed JSON checked for shape, not pickle.
 
+- **secrets**: the worker's environment holds only PATH, HOME, LANG, LC_*, TMPDIR, TZ and
+  thread-count variables, not the parent's API keys or tokens.
+
 Not guaranteed: filesystem isolation (the worker runs as the same user and can read and write
-what it can), CPU-time fairness, or protection against kernel exploits. Use a container or VM
-for hostile code beyond model-written snippets.
+what it can, including UNIX-domain sockets bound to paths), a process-count limit, CPU-time
+fairness, the honesty of the values the sandboxed code returns, or protection against kernel
+exploits. Use a container or VM for hostile code beyond model-written snippets.
 
 Workers are reused across calls and steps (start-up and imports are paid once), and a call is
 one sample so that a failure costs exactly that sample.
@@ -44,6 +48,7 @@ from gyre.config import SandboxConfig
 from gyre.rewards.errors import SandboxUnavailableError
 
 STARTUP_TIMEOUT_S = 60.0
+ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "TMPDIR", "TZ")
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
@@ -81,7 +86,9 @@ class _Worker:
     """One confined worker process and its pipes."""
 
     def __init__(self, cfg: SandboxConfig, fns: Sequence[str]) -> None:
-        env = dict(os.environ)
+        # Untrusted code sees no secrets from the parent's environment (API keys, tokens): only
+        # the variables below pass. sys.path travels in the init frame instead of PYTHONPATH.
+        env = {k: v for k, v in os.environ.items() if k in ENV_PASSTHROUGH or k.startswith("LC_")}
         # Thread pools reserve address space per thread; under RLIMIT_AS one thread is safer.
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = "1"
