@@ -144,3 +144,36 @@ def test_reward_model_errors(rm_dir, tmp_path):
 
 def test_reward_model_is_loaded_once(rm_dir):
     assert load_reward_model(str(rm_dir)) is load_reward_model(str(rm_dir))
+
+
+def test_reward_model_prob_and_chat_template(tmp_path):
+    """A 3-class head: ``prob`` is the softmax of ``label``; ``chat_template`` scores the text
+    the model's own template renders."""
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_labels=3,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(1)
+    from transformers import LlamaForSequenceClassification
+
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+
+    def direct(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**tok(text, return_tensors="pt")).logits[0]
+
+    probs = reward_model(["1+1="], ["2"], path=str(tmp_path), label=2, prob=True)
+    assert probs[0] == pytest.approx(direct("1+1=2").softmax(-1)[2].item(), abs=1e-6)
+    chat = reward_model(["1+1="], ["2"], path=str(tmp_path), label=1, chat_template=True)
+    assert chat[0] == pytest.approx(direct("u:1+1=\na:2\n")[1].item(), abs=1e-5)

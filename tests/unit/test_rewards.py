@@ -142,7 +142,9 @@ def test_bad_import_path_names_the_field(path, needle):
 
 
 def test_import_path_without_colon_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"reward\.functions\.0\.fn.*module:function"):
+    with pytest.raises(
+        ConfigError, match=r"reward\.functions\.0\.fn.: .reward_fixtures\.length.*module:function"
+    ):
         load_config(overrides=["reward.functions=[{fn: reward_fixtures.length}]"])
 
 
