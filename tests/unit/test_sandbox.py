@@ -195,3 +195,32 @@ def test_async_rewards_and_stdin_and_environment(monkeypatch):
     import reward_fixtures as fx
 
     assert fx.secret_len(["p"], ["c"]) == [7.0]  # the variable is set in the parent
+
+
+def test_refused_namespaces_stop_the_sandbox_loudly(monkeypatch):
+    """A worker whose unshare() is refused: building the rewarder fails and names the field."""
+    from gyre.rewards import SandboxUnavailableError, sandbox
+
+    refuse = (
+        "import sys, gyre.rewards._worker as w; "
+        "w.isolate_network = lambda: 'unshare(...) failed: Operation not permitted (test)'; "
+        "sys.exit(w.main())"
+    )
+    monkeypatch.setattr(sandbox, "WORKER_ARGS", ["-c", refuse])
+    cfg = RewardConfig.model_validate(
+        {
+            "functions": [{"fn": "reward_fixtures:chatty", "sandbox": True}],
+            "sandbox": {"network": "deny"},
+        }
+    )
+    with pytest.raises(SandboxUnavailableError) as err:
+        Rewarder(cfg)
+    assert "reward.sandbox.network=deny" in str(err.value)
+    assert "Operation not permitted (test)" in str(err.value)
+    # asking for no isolation explicitly still works (and never calls unshare)
+    allowed = cfg.model_copy(update={"sandbox": _sandbox(network="allow")})
+    r = Rewarder(allowed)
+    try:
+        assert r.score_batch(_four())[1]["chatty"] == [0.5] * 4
+    finally:
+        r.close()

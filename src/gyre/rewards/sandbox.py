@@ -49,6 +49,7 @@ from gyre.rewards.errors import SandboxUnavailableError
 
 STARTUP_TIMEOUT_S = 60.0
 ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "TMPDIR", "TZ")
+WORKER_ARGS = ["-m", "gyre.rewards._worker"]  # after sys.executable
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
@@ -93,7 +94,7 @@ class _Worker:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gyre.rewards._worker"],
+            [sys.executable, *WORKER_ARGS],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # its own process group: a timeout kills its children too
