@@ -186,3 +186,13 @@ def test_resolve_callable_accepts_dotted_attributes():
     assert fn(4.0) == 2.0
     assert resolve_callable("os.path:join.__call__", "x")("a", "b") == "a/b"
     assert math.isfinite(resolve_callable("reward_fixtures:length", "x")([""], ["ab"])[0])
+
+
+def test_arithmetic_env_exposes_its_answer_to_reward_functions():
+    from gyre.envs import ArithmeticEnv
+
+    env = ArithmeticEnv(9, "+")
+    obs = env.reset(5)
+    a, b = obs.rstrip("=").split("+")
+    info = env.step("0")[3]
+    assert info["task"] == {"answer": str(int(a) + int(b))}
