@@ -114,7 +114,7 @@ def _misbehaving(port: int, max_frac: float) -> dict:
             {"fn": "reward_fixtures:dialer", "sandbox": True, "kwargs": {**bad, "port": port}},
         ],
         "sandbox": {
-            "timeout_s": 1.0,
+            "timeout_s": 2.0,
             "memory_mb": 512,
             "workers": 2,
             "failure_reward": 0.0,

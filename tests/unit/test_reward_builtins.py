@@ -177,3 +177,11 @@ def test_reward_model_prob_and_chat_template(tmp_path):
     assert probs[0] == pytest.approx(direct("1+1=2").softmax(-1)[2].item(), abs=1e-6)
     chat = reward_model(["1+1="], ["2"], path=str(tmp_path), label=1, chat_template=True)
     assert chat[0] == pytest.approx(direct("u:1+1=\na:2\n")[1].item(), abs=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reward_model_on_cuda_matches_cpu(rm_dir):
+    cpu = reward_model(PROMPTS, COMPLETIONS, path=str(rm_dir), device="cpu")
+    gpu = reward_model(PROMPTS, COMPLETIONS, path=str(rm_dir), device="cuda", batch_size=2)
+    assert gpu == pytest.approx(cpu, abs=1e-3)
