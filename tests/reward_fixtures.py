@@ -139,3 +139,8 @@ def reads_stdin(prompts, completions, **kw):
     import sys
 
     return [float(len(sys.stdin.read()))] * len(prompts)  # /dev/null in the sandbox: 0.0
+
+
+async def async_raises(prompts, completions, **kw):
+    await asyncio.sleep(0)
+    raise KeyError("missing")

@@ -172,6 +172,14 @@ def test_wrong_return_or_exception_names_the_field(fn, needle):
     assert needle in str(err.value)
 
 
+def test_async_exception_names_its_field():
+    cfg = _cfg({"fn": "reward_fixtures:async_double_env"}, {"fn": "reward_fixtures:async_raises"})
+    with pytest.raises(RewardError) as err:
+        Rewarder(cfg).score_batch(_batch(["a"], [0.0]))
+    assert str(err.value).startswith("reward.functions[1].fn (reward_fixtures:async_raises)")
+    assert "KeyError('missing')" in str(err.value)
+
+
 def test_duplicate_and_reserved_names_are_refused():
     with pytest.raises(RewardError, match=r"reward\.functions\[1\]\.name.*'length'"):
         Rewarder(_cfg({"fn": "reward_fixtures:length"}, {"fn": "reward_fixtures:length"}))

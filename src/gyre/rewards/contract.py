@@ -138,7 +138,8 @@ class RewardTerm:
 
 def _run_coroutines(coros: list[Any]) -> list[Any]:
     async def gather() -> list[Any]:
-        return list(await asyncio.gather(*coros))
+        # Exceptions come back as values, so the caller can name the function that raised.
+        return list(await asyncio.gather(*coros, return_exceptions=True))
 
     try:
         asyncio.get_running_loop()
@@ -213,20 +214,22 @@ class Rewarder:
             kwargs = self._kwargs(term, batch)
             try:
                 out = term.fn(list(batch.prompts), list(batch.completions), **kwargs)
-            except RewardError:
-                raise
+                if inspect.isawaitable(out):
+                    pending.append((term, out))
+                else:
+                    values[term.name] = as_values(out, n, term.field)
             except Exception as exc:
+                for _, aw in pending:  # never started: close them quietly
+                    if inspect.iscoroutine(aw):
+                        aw.close()
+                if isinstance(exc, RewardError):
+                    raise
                 raise RewardError(f"{term.field} ({term.path}) raised {exc!r}") from exc
-            if inspect.isawaitable(out):
-                pending.append((term, out))
-            else:
-                values[term.name] = as_values(out, n, term.field)
         if pending:
-            try:
-                outs = _run_coroutines([aw for _, aw in pending])
-            except Exception as exc:
-                raise RewardError(f"an async reward function raised {exc!r}") from exc
+            outs = _run_coroutines([aw for _, aw in pending])
             for (term, _), out in zip(pending, outs, strict=True):
+                if isinstance(out, BaseException):
+                    raise RewardError(f"{term.field} ({term.path}) raised {out!r}") from out
                 values[term.name] = as_values(out, n, term.field)
         sandbox_metrics = self._score_sandboxed(batch, values)
         totals = [self.cfg.env_weight * v for v in values["env"]]
@@ -235,6 +238,7 @@ class Rewarder:
         return totals, values, sandbox_metrics
 
     def _kwargs(self, term: RewardTerm, batch: RewardBatch) -> dict[str, Any]:
+        # The term's configured kwargs win over a task column of the same name.
         return {**batch.columns, **term.kwargs}
 
     def _score_sandboxed(self, batch: RewardBatch, values: dict[str, list[float]]) -> dict:
