@@ -73,8 +73,9 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes | None:
         left = deadline - time.monotonic()
         if left <= 0:
             return None
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
+        poller = select.poll()  # not select(): fds above 1024 are fine in a long-lived trainer
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        if not poller.poll(left * 1000):
             return None
         chunk = os.read(fd, n - len(buf))
         if not chunk:
