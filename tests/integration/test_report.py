@@ -81,6 +81,7 @@ def _live_copy(observed_run, tmp_path):
     live = tmp_path / "live"
     shutil.copytree(observed_run, live, ignore=shutil.ignore_patterns("tb", "final", "checkpoints"))
     (live / "summary.json").unlink()
+    (live / "samples.jsonl").unlink()  # not needed here; fewer figures to draw per rewrite
     with (live / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "rollout/rew')  # a line being written right now
     return live

@@ -144,7 +144,7 @@ class ConsoleSink:
             self._origin = (now, step)
             return None
         t0, s0 = self._origin
-        if step <= s0:
+        if step <= s0 or step >= self.total:  # nothing measured yet, or nothing left
             return None
         return (now - t0) / (step - s0) * max(0, self.total - step)
 
