@@ -130,6 +130,7 @@ CHROMIUM_FLAGS = [
     "--disable-component-update",
     "--disable-sync",
     "--hide-scrollbars",
+    "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm
 ]
 
 

@@ -217,10 +217,12 @@ class PrometheusExporter:
             # prometheus_client appends _total to counter names itself.
             c = Counter(PREFIX + suffix.removesuffix("_total"), doc, registry=self.registry)
             self._counters[key] = c
-        delta = cumulative - self._fault_seen.get(key, 0.0)
-        if math.isfinite(delta) and delta > 0:
-            c.inc(delta)
-        self._fault_seen[key] = max(cumulative, self._fault_seen.get(key, 0.0))
+        if not math.isfinite(cumulative):
+            return
+        seen = self._fault_seen.get(key, 0.0)
+        if cumulative > seen:
+            c.inc(cumulative - seen)
+            self._fault_seen[key] = cumulative
 
     def trajectories(
         self, step: int, trajs: Sequence[Any], trained_version: int | None = None
