@@ -93,23 +93,30 @@ def test_report_of_a_live_run_and_watch(observed_run, tmp_path):
     page = (live / "report.html").read_text()
     assert "running" in page and "latest (step 4)" in page
 
+    # --watch started before the run directory exists waits for it
+    watched = tmp_path / "later"
     done = {}
     t = threading.Thread(
         target=lambda: done.setdefault(
-            "rc", main(["report", str(live), "--watch", "--interval", "1"])
+            "rc", main(["report", str(watched), "--watch", "--interval", "1"])
         ),
         daemon=True,
     )
     t.start()
+    time.sleep(1.5)
+    assert t.is_alive() and not watched.exists()
+    shutil.copytree(live, watched)
+    report = watched / "report.html"
+    report.unlink()
     deadline = time.time() + 30
-    while 'http-equiv="refresh" content="1"' not in (live / "report.html").read_text():
+    while not report.is_file() or 'http-equiv="refresh" content="1"' not in report.read_text():
         assert time.time() < deadline, "--watch did not write a refreshing report"
         time.sleep(0.1)
     assert t.is_alive()  # still watching a live run
-    shutil.copy(observed_run / "summary.json", live / "summary.json")  # the run finishes
+    shutil.copy(observed_run / "summary.json", watched / "summary.json")  # the run finishes
     t.join(30)
     assert done.get("rc") == 0
-    final = (live / "report.html").read_text()
+    final = report.read_text()
     assert 'http-equiv="refresh"' not in final and "finished" in final
 
 

@@ -9,7 +9,8 @@ episodes (maze episodes drawn step by step from the grid and positions in ``samp
 
 A live run's files are read as they are: a half-written last line is ignored. ``--watch``
 rewrites the report every ``--interval`` seconds (the page reloads itself at the same pace)
-until the run has finished, then writes it a last time.
+until the run has finished, then writes it a last time; started before the run directory
+exists, it waits for it.
 """
 
 from __future__ import annotations
@@ -493,7 +494,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"report written to {write_report(ns.run_dir, ns.out)}")
             return 0
         while True:
-            finished = load_run(ns.run_dir).finished
+            try:
+                finished = load_run(ns.run_dir).finished
+            except FileNotFoundError as exc:  # started before the run wrote anything
+                print(f"waiting: {exc}", flush=True)
+                time.sleep(ns.interval)
+                continue
             path = write_report(ns.run_dir, ns.out, None if finished else ns.interval)
             if finished:
                 print(f"run finished; final report written to {path}", flush=True)
