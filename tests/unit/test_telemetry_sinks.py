@@ -81,18 +81,42 @@ def test_exporter_maps_keys_to_gauges_phases_and_counters(tmp_path):
     assert ("gyre_flag", ()) not in s  # booleans are not metrics
     assert ("gyre_time_rollout_s", ()) not in s  # phases live under gyre_phase_*
     # no feature logged a fault count, so no fault counter is exposed (not a made-up 0)
-    assert not any(name.startswith(("gyre_restarts", "gyre_skipped")) for name, _ in s)
+    assert not any(
+        name.startswith(("gyre_restarts", "gyre_skipped", "gyre_failures", "gyre_dropped"))
+        for name, _ in s
+    )
 
 
-def test_fault_counters_grow_by_the_cumulative_increase(tmp_path):
+def test_fault_counters_follow_cumulative_and_per_step_keys(tmp_path):
     exp = PrometheusExporter(tmp_path, 0, serve=False)
-    exp.log(1, {"fault/restarts": 1.0, "fault/skipped_steps": 0.0})
-    exp.log(2, {"fault/restarts": 1.0, "fault/skipped_steps": 2.0})
-    exp.log(3, {"fault/restarts": 3.0})
+    exp.log(1, {"recovery/trainer_restarts": 1.0, "faults/nonfinite_steps": 0.0})
+    exp.log(
+        2,
+        {
+            "recovery/trainer_restarts": 1.0,
+            "faults/nonfinite_steps": 2.0,
+            "rollout/failed_episodes": 3.0,
+            "recovery/rollout_restarts": 0.0,
+        },
+    )
+    exp.log(
+        3,
+        {
+            "recovery/trainer_restarts": 3.0,
+            "rollout/failed_episodes": 1.0,
+            "async/dropped_total": 8.0,
+            "faults/nonfinite_steps": math.nan,
+        },
+    )
     s = _samples(exp)
-    assert s[("gyre_restarts_total", ())] == 3
+    # cumulative keys: the counter is the latest total; per-step keys: the sum
+    assert s[("gyre_restarts_total", (("component", "trainer"),))] == 3
+    assert s[("gyre_restarts_total", (("component", "rollout"),))] == 0
     assert s[("gyre_skipped_steps_total", ())] == 2
-    assert set(FAULT_COUNTERS) >= {"fault/restarts", "fault/skipped_steps"}
+    assert s[("gyre_failures_total", (("kind", "episode"),))] == 4
+    assert s[("gyre_dropped_samples_total", ())] == 8
+    assert not FAULT_COUNTERS["rollout/failed_episodes"].cumulative
+    assert ("gyre_rollout_failed_episodes", ()) not in s  # a counter, not also a gauge
 
 
 def test_episode_histograms_and_staleness(tmp_path):

@@ -55,11 +55,15 @@ class Telemetry(MultiSink):
 def build_telemetry(
     cfg: Config,
     run_dir: Path,
-    tokenizer: Any,
+    tokenizer: Any | None = None,
     extra: MetricsSink | None = None,
     title: str = "GRPO",
 ) -> Telemetry:
-    """Every sink the config asks for; on any failure the ones already opened are closed."""
+    """Every sink the config asks for; on any failure the ones already opened are closed.
+
+    ``tokenizer`` decodes the sampled episodes for ``samples.jsonl``; without one (a driver that
+    never sees token ids) no samples are written and the console says so.
+    """
     t = cfg.telemetry
     sinks: list[MetricsSink] = []
     exporter = None
@@ -100,11 +104,13 @@ def build_telemetry(
                 s.close()
         raise
     samples = None
-    if t.samples > 0:
+    if t.samples > 0 and tokenizer is not None:
         samples = SampleWriter(
             run_dir / "samples.jsonl", t.samples, tokenizer, env_factory(cfg.env), cfg.run.seed
         )
     tel = Telemetry(sinks, samples, exporter)
+    if t.samples > 0 and tokenizer is None:
+        tel.message("telemetry.samples: no tokenizer here, so no samples.jsonl is written")
     if exporter is not None:
         tel.message(f"prometheus metrics: {exporter.url}")
     return tel

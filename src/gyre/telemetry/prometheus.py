@@ -14,10 +14,11 @@ What is exposed (every name starts with ``gyre_``; the tables in docs/observabil
 * **phase time**: ``time/<phase>_s`` keys go to the gauge ``gyre_phase_seconds{phase}`` (last
   step) and the histogram ``gyre_phase_duration_seconds{phase}``.
 * **counters**: ``gyre_steps_total`` (logged training steps), ``gyre_train_tokens_total`` (from
-  ``train/tokens``). Cumulative fault counts are counters fed by the features that produce them:
-  ``fault/restarts`` -> ``gyre_restarts_total``, ``fault/failures`` -> ``gyre_failures_total``,
-  ``fault/skipped_steps`` -> ``gyre_skipped_steps_total``; they appear once such a key is logged
-  (the plain local loop never restarts or skips, so it logs none and none is exposed).
+  ``train/tokens``), and the fault counters of :data:`FAULT_COUNTERS`, fed by the features that
+  log those keys: ``gyre_restarts_total{component}``, ``gyre_failures_total{kind}``,
+  ``gyre_skipped_steps_total``, ``gyre_dropped_samples_total``. They appear once such a key is
+  logged; the local synchronous loop never restarts, drops or skips, logs none of them, and so
+  exposes none (no made-up zeros).
 * **histograms over episodes** (fed by :meth:`PrometheusExporter.trajectories`):
   ``gyre_episode_reward``, ``gyre_episode_turns``, ``gyre_episode_response_tokens``, and
   ``gyre_staleness`` (trainer version minus each sample's policy version) when the caller says
@@ -33,6 +34,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +46,42 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     CollectorRegistry = None  # type: ignore[assignment,misc]
 
 PREFIX = "gyre_"
-# Cumulative counts that features other than the local loop log; each becomes a counter.
-FAULT_COUNTERS = {
-    "fault/restarts": ("restarts_total", "Trainer restarts (recoveries) in this run."),
-    "fault/failures": ("failures_total", "Worker or engine failures seen in this run."),
-    "fault/skipped_steps": ("skipped_steps_total", "Steps skipped (e.g. non-finite loss)."),
+
+
+@dataclass(frozen=True)
+class FaultCounter:
+    """How one logged fault key becomes a counter. ``cumulative`` keys carry the run's running
+    total (the counter grows by the increase); the others carry this step's count."""
+
+    name: str  # without "_total", which prometheus_client appends
+    doc: str
+    labels: tuple[tuple[str, str], ...] = ()
+    cumulative: bool = True
+
+
+# Keys that the Ray runner (issue 5) and fault handling (issue 4) log, as named on their
+# branches; each becomes a counter. The local loop logs none of them.
+FAULT_COUNTERS: dict[str, FaultCounter] = {
+    "recovery/trainer_restarts": FaultCounter(
+        "restarts", "Restarts of trainer or rollout workers.", (("component", "trainer"),)
+    ),
+    "recovery/rollout_restarts": FaultCounter(
+        "restarts", "Restarts of trainer or rollout workers.", (("component", "rollout"),)
+    ),
+    "rollout/failed_episodes": FaultCounter(
+        "failures", "Failures seen by the run.", (("kind", "episode"),), cumulative=False
+    ),
+    "recovery/reissued_shares": FaultCounter(
+        "failures", "Failures seen by the run.", (("kind", "reissued_share"),)
+    ),
+    "faults/nonfinite_steps": FaultCounter(
+        "skipped_steps", "Steps skipped because the loss or gradients were not finite."
+    ),
+    "async/dropped_total": FaultCounter(
+        "dropped_samples", "Samples dropped for exceeding the staleness bound."
+    ),
 }
-# Keys the dashboard reads that only other features (async runner, fault tolerance) log.
+# Keys the dashboard reads that only other features (async runner, fault handling) log.
 FEATURE_KEYS = ("async/staleness_mean", "async/staleness_max", *FAULT_COUNTERS)
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -209,20 +240,24 @@ class PrometheusExporter:
         self._gauges[key] = g
         return g
 
-    def _count_fault(self, key: str, cumulative: float) -> None:
-        """Fault keys carry the run's cumulative count; the counter grows by the increase."""
-        c = self._counters.get(key)
+    def _count_fault(self, key: str, value: float) -> None:
+        spec = FAULT_COUNTERS[key]
+        c = self._counters.get(spec.name)
         if c is None:
-            suffix, doc = FAULT_COUNTERS[key]
-            # prometheus_client appends _total to counter names itself.
-            c = Counter(PREFIX + suffix.removesuffix("_total"), doc, registry=self.registry)
-            self._counters[key] = c
-        if not math.isfinite(cumulative):
+            c = Counter(
+                PREFIX + spec.name, spec.doc, [k for k, _ in spec.labels], registry=self.registry
+            )
+            self._counters[spec.name] = c
+        child = c.labels(*[v for _, v in spec.labels]) if spec.labels else c
+        if not math.isfinite(value):
             return
-        seen = self._fault_seen.get(key, 0.0)
-        if cumulative > seen:
-            c.inc(cumulative - seen)
-            self._fault_seen[key] = cumulative
+        if spec.cumulative:
+            seen = self._fault_seen.get(key, 0.0)
+            if value > seen:
+                child.inc(value - seen)
+                self._fault_seen[key] = value
+        elif value > 0:
+            child.inc(value)
 
     def trajectories(
         self, step: int, trajs: Sequence[Any], trained_version: int | None = None
