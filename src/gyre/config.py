@@ -218,6 +218,39 @@ class RewardConfig(_Section):
     )
 
 
+class TelemetryConfig(_Section):
+    tensorboard: bool = Field(False, description="Write TensorBoard event files to <run.dir>/tb.")
+    prometheus_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics on this port (0: any free port); None: no exporter.",
+    )
+    prometheus_host: str = Field(
+        "127.0.0.1", description="Address the Prometheus exporter binds (loopback by default)."
+    )
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs gyre[wandb]).")
+    wandb_project: str = Field("gyre", description="wandb project name.")
+    mlflow: bool = Field(False, description="Log to MLflow (needs gyre[mlflow]).")
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow tracking URI; empty uses MLflow's default (MLFLOW_TRACKING_URI)."
+    )
+    samples: float = Field(
+        0.0625,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of each step's trajectories written to <run.dir>/samples.jsonl.",
+    )
+
+    @field_validator("prometheus_port", mode="before")
+    @classmethod
+    def _port_off(cls, v: Any) -> Any:
+        # 'off', 'none' or 'null' on the command line (or `off` in YAML, read as False) disable it.
+        if v is False or (isinstance(v, str) and v.strip().lower() in ("off", "none", "null", "")):
+            return None
+        return v
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
@@ -229,6 +262,9 @@ class Config(_Section):
         default_factory=CheckpointConfig, description="Checkpointing."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")
+    telemetry: TelemetryConfig = Field(
+        default_factory=TelemetryConfig, description="Metric sinks, exporter and samples."
+    )
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="Reward functions beyond the env's reward."
     )

@@ -9,7 +9,7 @@
     3. advantages  group-relative (GRPO)
     4. update      PPO-clip on the policy's tokens, optional k3 KL to a frozen reference
     5. sync        copy the new weights into the engine (in process), version-stamped
-    6. log         metrics to every sink (console, JSONL), periodic held-out eval
+    6. log         metrics to every sink (console, JSONL, telemetry.*), samples, periodic eval
     7. checkpoint  every ``checkpoint.every`` steps
 """
 
@@ -38,6 +38,7 @@ from gyre.policy import collate
 from gyre.rewards import build_rewarder
 from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
+from gyre.telemetry.factory import build_telemetry
 from gyre.trainer import GRPOSettings, grpo_update, sft_step
 from gyre.types import SamplingParams
 
@@ -178,13 +179,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         start_step = int(state["step"])
         engine.version = int(state.get("policy_version", start_step))
 
-    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
-    console = _console(cfg, cfg.train.steps, "GRPO")
-    if console:
-        sinks.append(console)
-    if sink is not None:
-        sinks.append(sink)
-    out = MultiSink(*sinks)
+    out = build_telemetry(cfg, run_dir, tokenizer, extra=sink)  # telemetry.*: jsonl, tb, ...
 
     if "before" not in state["evals"]:
         state["evals"]["before"] = run_eval(cfg, engine, tokenizer)
@@ -250,6 +245,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 "policy_version": float(engine.version),
             }
         )
+        out.trajectories(step, trajs)  # samples.jsonl, per-episode histograms
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             with timed(m, "time/eval_s"):
                 m.update(run_eval(cfg, engine, tokenizer))
