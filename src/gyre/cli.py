@@ -1,8 +1,9 @@
-"""``gyre``: train | sft | eval.
+"""``gyre``: train | sft | eval | report.
 
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
     gyre eval  [CONFIG.yaml] [key=value ...]   evaluate model.path on held-out seeds
+    gyre report RUN_DIR [--out FILE] [--watch]  HTML report of a finished or running run
     gyre serve MODEL_DIR [--host H] [--port N] [--api-key KEY]   OpenAI-compatible server
     gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
 
@@ -42,7 +43,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "  gyre eval model.path=runs/a/final eval.episodes=500",
     )
     parser.add_argument("--help-config", action="store_true", help="list every config key")
-    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,report}")
     helps = {
         "train": "SFT warm start (if sft.steps > 0) then GRPO; the default runs the maze demo",
         "sft": "supervised warm start only; writes <run.dir>/sft/",
@@ -57,6 +58,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
     ns = parser.parse_args(argv)
     if ns.help_config:
         print("\n".join(describe_fields()))
@@ -89,6 +91,10 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # takes a run dir, not config keys: its own parser
+        from gyre.telemetry.report import main as report_main
+
+        return report_main(argv[1:])
     if argv and argv[0] in ("serve", "export"):  # these take paths and flags, not config keys
         from gyre import export, server
 

@@ -91,11 +91,29 @@ class ArithmeticConfig(_Section):
     ops: str = Field("+-", min_length=1, description="Operators to draw from, e.g. '+-*'.")
 
 
+class DatasetConfig(_Section):
+    path: str = Field(
+        "", description="JSONL file, one task a line: {\"prompt\": ..., \"answer\": ..., ...}."
+    )
+    prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
+    answer_field: str = Field(
+        "answer", min_length=1, description="Row key holding the reference answer."
+    )
+    eval_rows: int = Field(
+        0, ge=0, description="Last N rows are held out for evaluation; 0 evaluates on all rows."
+    )
+
+
 class EnvConfig(_Section):
-    name: Literal["maze", "arithmetic"] = Field("maze", description="Which built-in environment.")
+    name: Literal["maze", "arithmetic", "dataset"] = Field(
+        "maze", description="Which built-in environment."
+    )
     maze: MazeConfig = Field(default_factory=MazeConfig, description="Maze settings.")
     arithmetic: ArithmeticConfig = Field(
         default_factory=ArithmeticConfig, description="Arithmetic settings."
+    )
+    dataset: DatasetConfig = Field(
+        default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
     )
 
 
@@ -203,6 +221,93 @@ class LogConfig(_Section):
         return "off" if v is False else v
 
 
+class RewardFnConfig(_Section):
+    fn: str = Field(description="Import path 'module:function' of a batched reward function.")
+    name: str = Field("", description="Metric name (reward/<name>_mean); default: function name.")
+    weight: float = Field(1.0, description="Weight of this term in the total reward.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments passed on every call."
+    )
+    sandbox: bool = Field(
+        False, description="Run in the sandbox (subprocess, time/memory limits, no network)."
+    )
+
+    @field_validator("fn")
+    @classmethod
+    def _import_path(cls, v: str) -> str:
+        mod, sep, attr = v.partition(":")
+        if not sep or not mod.strip() or not attr.strip():
+            raise ValueError(f"expected 'module:function', got {v!r}")
+        return v
+
+
+class SandboxConfig(_Section):
+    timeout_s: float = Field(10.0, gt=0, description="Wall-time limit of one sandboxed call.")
+    memory_mb: int = Field(
+        1024, ge=64, description="Address-space limit (RLIMIT_AS) of a sandbox worker, in MiB."
+    )
+    network: Literal["deny", "allow"] = Field(
+        "deny",
+        description="deny: a new user+network namespace (no interfaces); fails loudly if the "
+        "kernel refuses. allow: no network isolation.",
+    )
+    workers: int = Field(2, gt=0, description="Worker processes, reused across calls.")
+    failure_reward: float = Field(0.0, description="Reward given to a sample whose call failed.")
+    max_failure_frac: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run when more than this fraction of a step's sandboxed calls fail.",
+    )
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFnConfig] = Field(
+        default_factory=list,
+        description="Reward functions, each {fn: 'module:function', name, weight, kwargs, "
+        "sandbox}; empty uses the env's own reward exactly.",
+    )
+    env_weight: float = Field(
+        1.0, description="Weight of the env's reward (the term 'env') when functions are set."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Limits for functions with sandbox: true."
+    )
+
+
+class TelemetryConfig(_Section):
+    tensorboard: bool = Field(False, description="Write TensorBoard event files to <run.dir>/tb.")
+    prometheus_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics on this port (0: any free port); None: no exporter.",
+    )
+    prometheus_host: str = Field(
+        "127.0.0.1", description="Address the Prometheus exporter binds (loopback by default)."
+    )
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs gyre[wandb]).")
+    wandb_project: str = Field("gyre", description="wandb project name.")
+    mlflow: bool = Field(False, description="Log to MLflow (needs gyre[mlflow]).")
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow tracking URI; empty uses MLflow's default (MLFLOW_TRACKING_URI)."
+    )
+    samples: float = Field(
+        0.0625,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of each step's trajectories written to <run.dir>/samples.jsonl.",
+    )
+
+    @field_validator("prometheus_port", mode="before")
+    @classmethod
+    def _port_off(cls, v: Any) -> Any:
+        # 'off', 'none' or 'null' on the command line (or `off` in YAML, read as False) disable it.
+        if v is False or (isinstance(v, str) and v.strip().lower() in ("off", "none", "null", "")):
+            return None
+        return v
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
@@ -214,6 +319,12 @@ class Config(_Section):
         default_factory=CheckpointConfig, description="Checkpointing."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")
+    telemetry: TelemetryConfig = Field(
+        default_factory=TelemetryConfig, description="Metric sinks, exporter and samples."
+    )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="Reward functions beyond the env's reward."
+    )
     engine: EngineConfig = Field(
         default_factory=EngineConfig, description="Rollout engine and weight sync."
     )
@@ -269,7 +380,10 @@ def _describe(errors: ValidationError, tree: dict[str, Any]) -> str:
         key = ".".join(loc)
         node: Any = tree
         for p in loc:
-            node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
+            if isinstance(node, list) and p.isdigit() and int(p) < len(node):
+                node = node[int(p)]  # list items, e.g. reward.functions.0.fn
+            else:
+                node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown config key '{key}' (value {node!r})")
         else:

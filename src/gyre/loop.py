@@ -4,11 +4,12 @@
 -> evaluate -> write ``final/``. One GRPO step is seven numbered phases, each one call:
 
     1. rollout     env x engine episodes for ``tasks_per_step`` tasks x ``group_size`` samples
-    2. reward      the env's sparse reward, summed per episode
+    2. reward      the env's sparse reward, summed per episode, plus any configured reward
+                   functions (gyre.rewards: weighted, sandboxed if asked)
     3. advantages  group-relative (GRPO)
     4. update      PPO-clip on the policy's tokens, optional k3 KL to a frozen reference
     5. sync        copy the new weights into the engine (in process), version-stamped
-    6. log         metrics to every sink (console, JSONL), periodic held-out eval
+    6. log         metrics to every sink (console, JSONL, telemetry.*), samples, periodic eval
     7. checkpoint  every ``checkpoint.every`` steps
 """
 
@@ -35,8 +36,10 @@ from gyre.evaluate import evaluate, train_seed
 from gyre.lora import AdapterDisabled, load_policy, trainable_parameters
 from gyre.model import create_tiny_checkpoint, load_pretrained, resolve_device
 from gyre.policy import collate
+from gyre.rewards import build_rewarder
 from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
+from gyre.telemetry.factory import build_telemetry
 from gyre.trainer import GRPOSettings, grpo_update, sft_step
 from gyre.types import SamplingParams
 
@@ -149,6 +152,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """SFT (if ``sft.steps``) then GRPO for ``train.steps``; returns the run summary."""
     t_start = time.perf_counter()
     run_dir, device = setup(cfg, fresh_check=True)
+    # Built before any training so a bad reward config or a sandbox that cannot isolate fails now.
+    rewarder = build_rewarder(cfg.reward, run_dir / "reward_failures.jsonl")
     resume_from = find_resume(run_dir, cfg.run.resume)
     state: dict[str, Any] = {"cursor": 0, "evals": {}}
     if resume_from is not None:
@@ -181,13 +186,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     sft_base = run_dir / "sft" if lora and (run_dir / "sft").is_dir() else None
     initial_sync(syncer, model, engine.version, sft_base)
 
-    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
-    console = _console(cfg, cfg.train.steps, "GRPO")
-    if console:
-        sinks.append(console)
-    if sink is not None:
-        sinks.append(sink)
-    out = MultiSink(*sinks)
+    out = build_telemetry(cfg, run_dir, tokenizer, extra=sink)  # telemetry.*: jsonl, tb, ...
 
     if "before" not in state["evals"]:
         state["evals"]["before"] = run_eval(cfg, engine, tokenizer)
@@ -225,6 +224,9 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 stats,
             )
         # 2. reward
+        if rewarder is not None:  # reward functions: t.reward becomes the weighted total
+            with timed(m, "time/reward_s"):
+                m.update(rewarder.score(trajs, tokenizer, step))
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
         # 3. advantages
@@ -251,6 +253,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 "policy_version": float(engine.version),
             }
         )
+        out.trajectories(step, trajs)  # samples.jsonl, per-episode histograms
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             with timed(m, "time/eval_s"):
                 m.update(run_eval(cfg, engine, tokenizer))
@@ -288,6 +291,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     model.save_pretrained(final)
     tokenizer.save_pretrained(final)
     out.close()
+    if rewarder is not None:
+        rewarder.close()
     if hasattr(engine, "close"):
         engine.close()
     summary = {

@@ -180,6 +180,9 @@ class _KillAfterFirstStep(MetricsSink):
             self.victim.stop()
             self.killed_at = step
 
+    def message(self, text: str) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
