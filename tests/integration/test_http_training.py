@@ -246,14 +246,21 @@ def test_dead_server_comes_back_resynced(sft_dir, tmp_path, tokenizer):
         assert all(s.served > 0 for s in engine.servers)
 
         # kill a while a long batch is in flight on both servers: nothing is lost
-        long = SamplingParams(temperature=1.0, max_new_tokens=200)
+        long = SamplingParams(temperature=1.0, max_new_tokens=400)
         many = [GenerationRequest(list(prompt)) for _ in range(24)]
-        killer = threading.Timer(0.5, a.stop)
+
+        def kill_when_busy() -> None:
+            while engine.servers[0].inflight == 0:
+                time.sleep(0.005)
+            time.sleep(0.1)  # requests are in a's batch (400 decode steps take far longer)
+            a.stop()
+
+        killer = threading.Thread(target=kill_when_busy)
         killer.start()
         outs = engine.generate(many, long)
         killer.join()
-        assert len(outs) == 24 and all(len(o.token_ids) == 200 for o in outs)
-        assert all(len(o.logprobs) == 200 for o in outs)
+        assert len(outs) == 24 and all(len(o.token_ids) == 400 for o in outs)
+        assert all(len(o.logprobs) == 400 for o in outs)
         assert engine.stats["retries"] >= 1  # requests in flight on a were redone on b
         assert [s.alive for s in engine.servers] == [False, True]
         assert engine.stats["servers_taken_out"] >= 1
