@@ -168,6 +168,11 @@ class EngineConfig(_Section):
     urls: list[str] = Field(
         default_factory=list, description="http: server base URLs, e.g. http://10.0.0.5:8000."
     )
+    api: Literal["openai", "sglang"] = Field(
+        "openai",
+        description="http: openai = /v1/completions + /v1/load_lora_adapter (vLLM, gyre serve); "
+        "sglang = SGLang's native /generate + /load_lora_adapter.",
+    )
     api_key: str = Field("", description="http: bearer token sent to every server.")
     model: str = Field("", description="http: served base model name; empty asks /v1/models.")
     timeout_s: float = Field(120.0, gt=0, description="http: per-request timeout in seconds.")

@@ -108,6 +108,28 @@ class ChatBody(_Body):
     skip_special_tokens: bool = True
 
 
+class GenerateSamplingParams(_Body):
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class GenerateBody(_Body):
+    """SGLang's native ``/generate`` request (one prompt)."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    lora_path: str | None = None
+    stream: bool = False
+
+
 class LoadLoraBody(_Body):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
@@ -422,6 +444,64 @@ def create_app(
         await batcher.run_in_engine(host.unload_lora, body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
+    @app.post("/load_lora_adapter", dependencies=auth)
+    async def load_lora_sglang(body: LoadLoraBody) -> Any:
+        try:
+            await batcher.run_in_engine(host.load_lora, body.lora_name, body.lora_path)
+        except ApiError as exc:
+            return JSONResponse(
+                status_code=exc.status,
+                content={"success": False, "error_message": exc.message},
+            )
+        return {"success": True, "error_message": "", "loaded_adapters": dict(host.adapters)}
+
+    @app.post("/unload_lora_adapter", dependencies=auth)
+    async def unload_lora_sglang(body: UnloadLoraBody) -> Any:
+        try:
+            await batcher.run_in_engine(host.unload_lora, body.lora_name)
+        except ApiError as exc:
+            return JSONResponse(
+                status_code=exc.status,
+                content={"success": False, "error_message": exc.message},
+            )
+        return {"success": True, "error_message": "", "loaded_adapters": dict(host.adapters)}
+
+    @app.post("/generate", dependencies=auth)
+    async def generate(body: GenerateBody) -> Any:
+        """SGLang's native generate: token ids in, ``output_ids`` + per-token logprobs out."""
+        if body.stream:
+            raise ApiError(400, "stream=true is not supported by gyre serve", "stream")
+        if (body.text is None) == (body.input_ids is None):
+            raise ApiError(400, "give exactly one of text and input_ids", "input_ids")
+        model = host.served_name if body.lora_path is None else body.lora_path
+        model = _check_model(host, model)
+        (prompt,) = _prompts(host, body.text if body.input_ids is None else body.input_ids)
+        sp = body.sampling_params
+        params = _params(host, sp, sp.max_new_tokens, body.top_logprobs_num)
+        _check_length(host, prompt, params.max_new_tokens)
+        (out,) = await batcher.submit(model, [GenerationRequest(prompt)], params)
+        if out.finish_reason == "stop":
+            finish: dict[str, Any] = {"type": "stop", "matched": out.token_ids[-1]}
+        else:
+            finish = {"type": "length", "length": len(out.token_ids)}
+        meta: dict[str, Any] = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(out.token_ids),
+        }
+        if body.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for t, lp in zip(out.token_ids, out.logprobs, strict=True)
+            ]
+            meta["output_top_logprobs"] = (
+                [[[lp, t, None] for t, lp in d.items()] for d in out.top_logprobs]
+                if out.top_logprobs is not None
+                else None
+            )
+        text = host.tokenizer.decode(out.token_ids, skip_special_tokens=sp.skip_special_tokens)
+        return {"text": text, "output_ids": out.token_ids, "meta_info": meta}
+
     @app.post("/update_weights_from_disk", dependencies=auth)
     async def update_weights(body: UpdateWeightsBody) -> Any:
         try:
@@ -563,6 +643,7 @@ def _chat_prompt(host: ModelHost, messages: list[ChatMessage]) -> list[int]:
 
 
 def _params(host: ModelHost, body: Any, max_new: int, top_k: int) -> SamplingParams:
+    """Sampling parameters from an OpenAI-style body or SGLang ``sampling_params``."""
     stop_ids = list(body.stop_token_ids or [])
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     for s in stops:
@@ -583,7 +664,7 @@ def _params(host: ModelHost, body: Any, max_new: int, top_k: int) -> SamplingPar
         top_p=1.0 if body.top_p is None else body.top_p,
         max_new_tokens=max_new,
         stop_token_ids=tuple(sorted(set(stop_ids))),
-        seed=body.seed,
+        seed=getattr(body, "seed", None),
         top_logprobs=top_k,
     )
 

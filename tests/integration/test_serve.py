@@ -299,3 +299,56 @@ def test_multi_turn_maze_rollout_over_http_is_token_exact(served, tokenizer):
     mask = batch.loss_mask.bool()
     assert mask.sum() > 8
     torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], atol=1e-4, rtol=0)
+
+
+def test_sglang_dialect_generate_and_adapters(served, tokenizer, tmp_path):
+    """HttpEngine(api="sglang") drives /generate + /load_lora_adapter (SGLang's native shapes,
+    as gyre serve implements them): token-exact logprobs, base and adapter."""
+    import peft
+
+    from gyre.engines.http_engine import HttpEngine
+    from gyre.types import GenerationRequest, SamplingParams
+
+    srv, model, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    prompt = [tokenizer.bos_token_id, *tokenizer.encode("4+4=", add_special_tokens=False)]
+    raw = httpx.post(
+        f"{srv.url}/generate",
+        json={
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+            "return_logprob": True,
+        },
+        headers=headers,
+    ).json()
+    assert raw["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert [p[1] for p in raw["meta_info"]["output_token_logprobs"]] == raw["output_ids"]
+
+    engine = HttpEngine([srv.url], api_key=KEY, api="sglang", timeout_s=60)
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=5)
+        (out,) = engine.generate([GenerationRequest(list(prompt))], params)
+        assert len(out.token_ids) == 5
+        assert out.logprobs == pytest.approx(
+            _local_logprobs(model, prompt, out.token_ids), abs=1e-4
+        )
+        base = type(model).from_pretrained(srv.model_dir).eval()
+        pm = peft.get_peft_model(
+            base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        )
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.5)
+        pm.save_pretrained(tmp_path / "ad")
+        assert engine.load_adapter(tmp_path / "ad", 5) == 1
+        (out,) = engine.generate([GenerationRequest(list(prompt))], params)
+        adapted = load_adapter_into(
+            type(model).from_pretrained(srv.model_dir), tmp_path / "ad", "x"
+        )
+        want = _local_logprobs(adapted.eval(), prompt, out.token_ids)
+        assert out.logprobs == pytest.approx(want, abs=1e-4)
+    finally:
+        engine.close()
+        httpx.post(f"{srv.url}/unload_lora_adapter", json={"lora_name": "gyre-v5"}, headers=headers)
+    assert httpx.get(f"{srv.url}/stats", headers=headers).json()["adapters"] == {}

@@ -36,6 +36,7 @@ def build_engine(
             max_retries=e.max_retries,
             health_interval_s=e.health_interval_s,
             max_concurrency=e.max_concurrency,
+            api=e.api,
         )
     sync_dir = Path(e.sync_dir) if e.sync_dir else run_dir / "sync"
     return engine, WeightSync(e, engine, tokenizer, sync_dir, cfg.model.lora is not None)

@@ -36,6 +36,9 @@ from gyre.types import Completion, GenerationRequest, SamplingParams
 log = logging.getLogger(__name__)
 
 
+APIS = ("openai", "sglang")
+
+
 class ServerError(RuntimeError):
     """A server answered, but not usefully (bad status, malformed body)."""
 
@@ -75,9 +78,13 @@ class HttpEngine:
         health_interval_s: float = 1.0,
         max_concurrency: int = 64,
         adapter_prefix: str = "gyre",
+        api: str = "openai",
     ) -> None:
         if not urls:
             raise ValueError("HttpEngine needs at least one server URL (engine.urls)")
+        if api not in APIS:
+            raise ValueError(f"engine.api={api!r}; valid: {', '.join(APIS)}")
+        self.api = api
         httpx = _httpx()
         self._httpx = httpx
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -179,19 +186,28 @@ class HttpEngine:
             self.version = version
         return acks
 
+    def _lora_route(self, verb: str) -> str:
+        # vLLM: /v1/load_lora_adapter; SGLang: /load_lora_adapter (same bodies)
+        return f"/v1/{verb}_lora_adapter" if self.api == "openai" else f"/{verb}_lora_adapter"
+
     def _push_adapter(self, s: ServerState, name: str, path: str, old: str | None) -> bool:
         try:
             r = self._client.post(
-                f"{s.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+                f"{s.url}{self._lora_route('load')}", json={"lora_name": name, "lora_path": path}
             )
             if r.status_code != 200 and "already" not in r.text:
                 raise ServerError(
                     f"{s.url} refused adapter {name} from {path}: {r.status_code} {r.text[:300]}"
                 )
-            if name not in self._list_models(s):  # the acknowledgement: it serves the name
-                raise ServerError(f"{s.url} does not list adapter {name} after loading it")
+            if self.api == "openai":
+                ok = name in self._list_models(s)  # the acknowledgement: it serves the name
+            else:
+                body = r.json() if r.status_code == 200 else {}
+                ok = bool(body.get("success")) and name in (body.get("loaded_adapters") or {name})
+            if not ok:
+                raise ServerError(f"{s.url} does not acknowledge adapter {name}: {r.text[:300]}")
             if old and old != name:
-                self._client.post(f"{s.url}/v1/unload_lora_adapter", json={"lora_name": old})
+                self._client.post(f"{s.url}{self._lora_route('unload')}", json={"lora_name": old})
             return True
         except self._httpx.TransportError as exc:
             self._take_out(s, f"adapter sync: {exc!r}")
@@ -200,7 +216,7 @@ class HttpEngine:
     def _push_weights(self, s: ServerState, path: str, version: int, old: str | None) -> bool:
         try:
             if old:
-                self._client.post(f"{s.url}/v1/unload_lora_adapter", json={"lora_name": old})
+                self._client.post(f"{s.url}{self._lora_route('unload')}", json={"lora_name": old})
             r = self._client.post(
                 f"{s.url}/update_weights_from_disk",
                 json={"model_path": path, "weight_version": str(version)},
@@ -240,6 +256,21 @@ class HttpEngine:
 
     # -- one request ------------------------------------------------------------------------
     def _body(self, prompt: list[int], params: SamplingParams, index: int) -> dict[str, Any]:
+        if self.api == "sglang":  # SGLang's native /generate: ids in, ids + logprobs out
+            return {
+                "input_ids": list(prompt),
+                "sampling_params": {
+                    "max_new_tokens": params.max_new_tokens,
+                    "temperature": params.temperature,
+                    "top_p": params.top_p,
+                    "stop_token_ids": list(params.stop_token_ids),
+                    "ignore_eos": True,
+                    "skip_special_tokens": False,
+                },
+                "return_logprob": True,
+                "top_logprobs_num": params.top_logprobs,
+                "lora_path": self._adapter[0] if self._adapter else None,
+            }
         body: dict[str, Any] = {
             "model": self.model_name,
             "prompt": list(prompt),
@@ -265,13 +296,16 @@ class HttpEngine:
             s = self._pick(deadline)
             body = self._body(prompt, params, index)
             try:
-                r = self._client.post(f"{s.url}/v1/completions", json=body)
+                route = "/v1/completions" if self.api == "openai" else "/generate"
+                r = self._client.post(f"{s.url}{route}", json=body)
             except self._httpx.TransportError as exc:
                 self._done(s, ok=False)
                 self._take_out(s, repr(exc))
             else:
                 self._done(s, ok=r.status_code == 200)
                 if r.status_code == 200:
+                    if self.api == "sglang":
+                        return _parse_generate(r.json(), s.url)
                     return _parse_completion(r.json(), s.url)
                 if r.status_code >= 500 or r.status_code == 404:
                     # 404: the server lacks the current adapter (e.g. restarted): resync first.
@@ -348,7 +382,7 @@ class HttpEngine:
                     return
             if self._adapter is not None:
                 name, path = self._adapter
-                if name not in self._list_models(s):
+                if self.api != "openai" or name not in self._list_models(s):
                     if not self._push_adapter(s, name, path, None):
                         return
             with self._cond:
@@ -381,6 +415,26 @@ def _parse_completion(data: dict[str, Any], url: str) -> Completion:
         return Completion([int(t) for t in ids], [float(x) for x in logprobs], reason, top)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ServerError(f"{url} returned a malformed completion: {exc!r}") from exc
+
+
+def _parse_generate(data: dict[str, Any], url: str) -> Completion:
+    """SGLang's /generate answer: ``meta_info.output_token_logprobs`` = [[logprob, id, text]]."""
+    try:
+        meta = data["meta_info"]
+        pairs = meta.get("output_token_logprobs")
+        if pairs is None:
+            raise ServerError(f"{url} returned no output_token_logprobs (send return_logprob)")
+        ids = [int(p[1]) for p in pairs]
+        if data.get("output_ids") is not None and list(data["output_ids"])[-len(ids) :] != ids:
+            raise ServerError(f"{url}: output_ids and output_token_logprobs disagree")
+        top = None
+        if meta.get("output_top_logprobs"):
+            top = [{int(t[1]): float(t[0]) for t in step} for step in meta["output_top_logprobs"]]
+        fr = meta.get("finish_reason") or {}
+        reason = "stop" if (fr.get("type") if isinstance(fr, dict) else fr) == "stop" else "length"
+        return Completion(ids, [float(p[0]) for p in pairs], reason, top)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ServerError(f"{url} returned a malformed /generate answer: {exc!r}") from exc
 
 
 def _token_id(token: str) -> int:
