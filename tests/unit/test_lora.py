@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM
 from gyre.cli import main
 from gyre.config import EngineConfig, LoraConfig, load_config
 from gyre.engines import TorchEngine, WeightSync
-from gyre.engines.http_engine import ServerError, _parse_completion
 from gyre.lora import (
     AdapterDisabled,
     apply_lora,
@@ -183,40 +182,3 @@ def test_resuming_a_lora_checkpoint_without_lora_is_refused(tmp_path, capsys):
     rc = main(["train", *no_lora, f"run.dir={run}", "train.steps=2", "run.resume=auto"])
     assert rc != 0
     assert "model.lora" in capsys.readouterr().err
-
-
-def test_http_completion_parsing():
-    ok = {
-        "choices": [
-            {
-                "finish_reason": "stop",
-                "logprobs": {
-                    "tokens": ["token_id:7", "token_id:4"],
-                    "token_logprobs": [-0.5, -0.25],
-                    "top_logprobs": [{"token_id:7": -0.5}, {"token_id:4": -0.25}],
-                },
-            }
-        ]
-    }
-    c = _parse_completion(ok, "u")
-    assert c.token_ids == [7, 4] and c.logprobs == [-0.5, -0.25] and c.finish_reason == "stop"
-    assert c.top_logprobs == [{7: -0.5}, {4: -0.25}]
-    ok["choices"][0]["token_ids"] = [7, 4]  # vLLM's return_token_ids wins when present
-    assert _parse_completion(ok, "u").token_ids == [7, 4]
-    bad = {"choices": [{"finish_reason": "length", "token_ids": [1, 2], "logprobs": None}]}
-    with pytest.raises(ServerError, match="logprobs"):
-        _parse_completion(bad, "http://x")
-    short = {
-        "choices": [
-            {"finish_reason": "length", "token_ids": [1, 2], "logprobs": {"token_logprobs": [0.0]}}
-        ]
-    }
-    with pytest.raises(ServerError, match="2 token ids but 1 logprobs"):
-        _parse_completion(short, "http://x")
-    text_tokens = {
-        "choices": [
-            {"finish_reason": "length", "logprobs": {"tokens": ["a"], "token_logprobs": [0.0]}}
-        ]
-    }
-    with pytest.raises(ServerError, match="token_id"):
-        _parse_completion(text_tokens, "http://x")
