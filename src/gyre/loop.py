@@ -5,8 +5,8 @@
 
     1. rollout     env x engine episodes for ``tasks_per_step`` tasks x ``group_size`` samples
     2. reward      the env's sparse reward, summed per episode
-    3. advantages  group-relative (GRPO)
-    4. update      PPO-clip on the policy's tokens, optional k3 KL to a frozen reference
+    3. advantages  the named estimator (GRPO by default; docs/algorithms.md)
+    4. update      the named policy loss (PPO-clip by default), optional KL to a frozen reference
     5. sync        copy the new weights into the engine (in process), version-stamped
     6. log         metrics to every sink (console, JSONL), periodic held-out eval
     7. checkpoint  every ``checkpoint.every`` steps
@@ -20,24 +20,28 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gyre.algos import get_advantage_fn
 from gyre.checkpoint import find_resume, list_checkpoints, load_checkpoint_state, save_checkpoint
 from gyre.config import Config, dump_config, resolve_run_dir
+from gyre.critic import ValueModel
+from gyre.dapo import apply_overlong, sample_groups
 from gyre.engines import TorchEngine
 from gyre.envs import env_factory
+from gyre.envs.base import Env
 from gyre.evaluate import evaluate, train_seed
 from gyre.model import create_tiny_checkpoint, load_pretrained, resolve_device
 from gyre.policy import collate
 from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
-from gyre.trainer import GRPOSettings, grpo_update, sft_step
-from gyre.types import SamplingParams
+from gyre.trainer import sft_step
+from gyre.types import SamplingParams, Trajectory
+from gyre.update import batch_advantages, policy_update, prepare_batch, settings_from_config
 
 STREAM_SFT, STREAM_GRPO = 1, 2
 
@@ -144,6 +148,28 @@ def run_sft(cfg: Config, run_dir: Path, device: torch.device, base: Path) -> Pat
     return out_dir
 
 
+def _task_rollout(
+    cfg: Config,
+    state: dict[str, Any],
+    make_env: Callable[[], Env],
+    engine: TorchEngine,
+    tokenizer: Any,
+    step: int,
+    stats: RolloutStats,
+) -> Callable[[int, int], list[Trajectory]]:
+    """``generate(n_tasks, round)``: play ``group_size`` episodes of the next ``n_tasks`` training
+    tasks (advancing the data cursor). Round 0 uses the step's sampling seed as before."""
+
+    def generate(n_tasks: int, round_: int) -> list[Trajectory]:
+        seeds = [train_seed(cfg.run.seed, STREAM_GRPO, state["cursor"] + k) for k in range(n_tasks)]
+        state["cursor"] += n_tasks
+        seed = (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
+        params = _sampling(cfg, tokenizer, seed=seed)
+        return run_episodes(make_env, engine, tokenizer, seeds, cfg.train.group_size, params, stats)
+
+    return generate
+
+
 def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """SFT (if ``sft.steps``) then GRPO for ``train.steps``; returns the run summary."""
     t_start = time.perf_counter()
@@ -186,47 +212,41 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         state["evals"]["before"] = run_eval(cfg, engine, tokenizer)
         out.log(start_step, dict(state["evals"]["before"]))
     make_env = env_factory(cfg.env)
-    advantage_fn = get_advantage_fn("grpo")
-    settings = GRPOSettings(
-        clip_eps=cfg.train.clip_eps,
-        kl_coef=cfg.train.kl_coef,
-        mini_batches=cfg.train.mini_batches,
-        micro_batch_size=cfg.train.micro_batch_size,
-        max_grad_norm=cfg.train.max_grad_norm,
-        temperature=cfg.train.sampling.temperature,
-        top_p=cfg.train.sampling.top_p,
-        loss_agg=cfg.train.loss_agg,
-    )
+    algo, dapo = cfg.train.algo, cfg.train.dapo
+    settings = settings_from_config(cfg.train)
+    value_model = None
+    if algo.advantage == "gae":
+        value_model = ValueModel(model, algo.value_model, algo.critic_lr)
     gen = torch.Generator()
     for step in range(start_step + 1, cfg.train.steps + 1):
         m: dict[str, float] = {}
-        # 1. rollout
-        seeds = [
-            train_seed(cfg.run.seed, STREAM_GRPO, state["cursor"] + k)
-            for k in range(cfg.train.tasks_per_step)
-        ]
-        state["cursor"] += cfg.train.tasks_per_step
+        # 1. rollout (with DAPO dynamic sampling: more rounds until the groups have variance)
         stats = RolloutStats()
         with timed(m, "time/rollout_s"):
-            trajs = run_episodes(
-                make_env,
-                engine,
-                tokenizer,
-                seeds,
-                cfg.train.group_size,
-                _sampling(cfg, tokenizer, seed=(cfg.run.seed * 1_000_003 + step) % 2**31),
-                stats,
-            )
+            generate = _task_rollout(cfg, state, make_env, engine, tokenizer, step, stats)
+            trajs, dapo_m = sample_groups(
+                generate, cfg.train.tasks_per_step, dynamic=dapo.dynamic_sampling,
+                max_rounds=dapo.max_rounds,
+            )  # fmt: skip
+        m.update(dapo_m)
         # 2. reward
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
-        # 3. advantages
-        adv = advantage_fn(rewards, groups, eps=cfg.train.adv_eps)
-        # 4. update
         with timed(m, "time/train_s"):
+            # 3. advantages (after DAPO's overlong shaping / truncation masking, if enabled)
             batch = collate(trajs, tokenizer.pad_token_id, device)
+            shaped = apply_overlong(rewards, trajs, batch, dapo, cfg.train.sampling, m)
+            m.update(prepare_batch(model, batch, settings, ref_model, value_model))
+            adv, adv_m = batch_advantages(
+                algo.advantage, shaped, groups, batch, settings,
+                eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
+            )  # fmt: skip
+            m.update(adv_m)
+            # 4. update
             gen.manual_seed(cfg.run.seed * 100_003 + step)
-            m.update(grpo_update(model, optimizer, batch, adv.to(device), settings, ref_model, gen))
+            m.update(
+                policy_update(model, optimizer, batch, adv, settings, ref_model, gen, value_model)
+            )
         # 5. weight sync
         with timed(m, "time/sync_s"):
             engine.load_weights(model.state_dict(), version=step)
