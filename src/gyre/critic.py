@@ -22,7 +22,7 @@ import torch
 
 from gyre.policy import TokenBatch, logits_to_token_logprobs
 
-VALUE_MODES = ("head", "critic")
+VALUE_MODES = ("critic", "head")
 
 
 def _hidden_size(model: torch.nn.Module) -> int:
