@@ -102,6 +102,10 @@ def mask_truncated(batch: TokenBatch, trajs: Sequence[Trajectory]) -> float:
 
     Their tokens leave every loss and every denominator (DAPO's overlong filtering).
     """
+    if len(trajs) != batch.loss_mask.shape[0]:
+        raise ValueError(
+            f"{len(trajs)} trajectories for a batch of {batch.loss_mask.shape[0]} rows"
+        )
     cut = torch.tensor([t.truncated for t in trajs], device=batch.loss_mask.device)
     if cut.any():
         batch.loss_mask.mul_((~cut).to(batch.loss_mask.dtype).unsqueeze(-1))
