@@ -240,11 +240,11 @@ def write_docs(text: str, command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=15, help="RL steps per algorithm")
-    p.add_argument("--tasks", type=int, default=8, help="tasks per step")
+    p.add_argument("--steps", type=int, default=10, help="RL steps per algorithm")
+    p.add_argument("--tasks", type=int, default=6, help="tasks per step")
     p.add_argument("--group", type=int, default=8, help="samples per task")
-    p.add_argument("--episodes", type=int, default=300, help="held-out eval episodes")
-    p.add_argument("--kl-episodes", type=int, default=64, help="episodes for the final KL")
+    p.add_argument("--episodes", type=int, default=200, help="held-out eval episodes")
+    p.add_argument("--kl-episodes", type=int, default=48, help="episodes for the final KL")
     p.add_argument("--sft-steps", type=int, default=300, help="SFT steps (when no --sft)")
     p.add_argument("--sft", default="", help="reuse this SFT checkpoint folder")
     p.add_argument("--algos", default="", help="comma-separated subset of " + ",".join(ALGOS))

@@ -20,6 +20,7 @@ forward. ``rollout`` uses the engine's log-probs as old (the behaviour before th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,12 +116,14 @@ def prepare_batch(
 ) -> dict[str, float]:
     """Fill ``batch.extras`` with what must be scored before the weights change.
 
-    ``old_logprobs`` when the resolved mode is ``recompute``; ``ref_logprobs`` when KL goes into
-    the reward; ``values`` for GAE. Returns metrics (the train-vs-rollout log-prob gap).
+    ``old_logprobs`` when the resolved mode is ``recompute`` or KL goes into the reward (the
+    reward's KL is the old policy's); ``ref_logprobs`` for KL in the reward; ``values`` for GAE.
+    Returns metrics (the train-vs-rollout log-prob gap).
     """
     mode = settings.resolve_old_logprobs(batch.input_ids.shape[0])
     need_ref = ref_model is not None and settings.kl_coef > 0 and settings.kl_in == "reward"
-    if mode != "recompute" and not need_ref and value_model is None:
+    need_old = mode == "recompute" or (need_ref and mode == "current")
+    if not need_old and not need_ref and value_model is None:
         return {}
     was_training = model.training
     model.eval()
@@ -129,11 +132,11 @@ def prepare_batch(
     for sl in _micro_slices(B, settings.micro_batch_size):
         mb = batch.rows(sl)
         pad = T - mb.input_ids.shape[1]
-        if mode == "recompute" or value_model is not None:
+        if need_old or value_model is not None:
             logp, _, values = policy_forward(
                 model, mb, settings.temperature, settings.top_p, value_model=value_model
             )
-            if mode == "recompute":
+            if need_old:
                 parts["old_logprobs"].append(torch.nn.functional.pad(logp, (0, pad)))
             if values is not None:
                 parts["values"].append(torch.nn.functional.pad(values * mb.loss_mask, (0, pad)))
@@ -208,6 +211,7 @@ def policy_update(
     ref_model: torch.nn.Module | None = None,
     generator: torch.Generator | None = None,
     value_model: ValueModel | None = None,
+    reduce_counts: Callable[[StepCounts], StepCounts] | None = None,
 ) -> dict[str, float]:
     """One rollout batch -> ``ppo_epochs`` x mini-batches optimizer steps.
 
@@ -215,7 +219,9 @@ def policy_update(
     ``extras['old_logprobs']`` if :func:`prepare_batch` recomputed them, else the current
     detached log-probs (``current``) or the engine's (``rollout``). Each optimizer step's loss is
     ``sum over its tokens of l * w`` with w from :func:`gyre.algos.agg_weights` and the step's
-    :class:`StepCounts`, accumulated over micro-batches.
+    :class:`StepCounts`, accumulated over micro-batches. ``reduce_counts`` turns this process's
+    counts into the global ones before the micro-batch loop: a data-parallel runner passes an
+    all-reduce (sum) over ranks, so every rank divides by the same global denominators.
     """
     check_mode(settings.loss_agg)
     loss_fn = get_policy_loss_fn(settings.policy_loss)
@@ -251,6 +257,8 @@ def policy_update(
             value_model.optimizer.zero_grad(set_to_none=True)
         # Denominators of the whole optimizer step, fixed before the micro-batch loop.
         counts = StepCounts.of(mini.loss_mask, settings.loss_norm_len)
+        if reduce_counts is not None:
+            counts = reduce_counts(counts)
         for sl in _micro_slices(mini.input_ids.shape[0], settings.micro_batch_size):
             mb = mini.rows(sl)
             w = agg_weights(mb.loss_mask, settings.loss_agg, counts)  # (b, T)

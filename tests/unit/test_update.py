@@ -275,3 +275,23 @@ def test_gae_needs_value_targets(make_tiny_model, tokenizer):
         policy_update(base, opt, batch, torch.zeros(6), GRPOSettings(), value_model=vm)
     with pytest.raises(ValueError, match="valid: critic, head"):
         ValueModel(base, "shared")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("loss_agg", LOSS_AGGREGATIONS)
+def test_global_counts_from_ranks(make_tiny_model, tokenizer, loss_agg):
+    """``reduce_counts`` stands in for an all-reduce: two ranks holding this same batch have
+    twice the rows and tokens, so each rank's share of the step loss (and gradient) halves."""
+    base = make_tiny_model(seed=11, sharp=True)
+    pad = tokenizer.pad_token_id
+    trajs = _synthetic(base, pad, seed=11)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    start = _params(base)
+    deltas = []
+    for reduce in (None, lambda c: c + c):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s = GRPOSettings(loss_agg=loss_agg, old_logprobs="current", max_grad_norm=1e9)
+        policy_update(model, opt, collate(trajs, pad, CPU), adv, s, reduce_counts=reduce)
+        deltas.append([p - q for p, q in zip(_params(model), start, strict=True)])
+    for full, half in zip(*deltas, strict=True):
+        torch.testing.assert_close(half, 0.5 * full, atol=1e-6, rtol=1e-4)
