@@ -18,7 +18,8 @@ how far it moves from the start, not which is best.
 
 Run::
 
-    python bench/algos.py                       # the recorded run (about 15-20 min, 1 thread)
+    python bench/algos.py                       # SFT (300 steps) + 10 algorithms, 1 thread
+    python bench/algos.py --sft runs/default/sft  # reuse a maze SFT checkpoint (~14 min)
     python bench/algos.py --write-docs          # ... and replace the table in docs/algorithms.md
     python bench/algos.py --quick               # smoke test (tiny model, 1 step, a few seconds)
     python bench/algos.py --algos grpo,gae      # a subset
@@ -216,14 +217,16 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         )
     n_eval = args.episodes
     se = 100 * (0.25 / n_eval) ** 0.5
+    start = f"`{args.sft}`" if args.sft else f"a fresh SFT run of {args.sft_steps} steps"
     lines += [
         "",
         f"Budget: {args.steps} steps × {args.tasks} tasks × {args.group} samples from one "
-        f"maze SFT checkpoint ({args.sft_steps} SFT steps), {n_eval} held-out greedy episodes "
+        f"maze SFT checkpoint ({start}), {n_eval} held-out greedy episodes "
         f"(a success rate's standard error is up to ±{se:.1f} points), KL on "
         f"{args.kl_episodes} sampled held-out episodes, {args.threads} torch thread(s), seed "
-        f"{args.seed}. SFT took {report['sft_s']:.0f} s; the whole bench "
-        f"{report['total_s']:.0f} s.",
+        f"{args.seed}. "
+        + (f"SFT took {report['sft_s']:.0f} s; " if not args.sft else "")
+        + f"the whole bench {report['total_s']:.0f} s.",
     ]
     return "\n".join(lines)
 
@@ -252,12 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="run directories go here (default: a temp dir)")
     p.add_argument("--write-docs", action="store_true", help="update docs/algorithms.md")
+    p.add_argument("--from-json", default="", help="re-render a saved report (its last line)")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny model and budget")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.tasks, args.group, args.episodes = 1, 2, 2, 4
         args.kl_episodes, args.sft_steps = 2, 2
-    report = run(args)
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text().strip().splitlines()[-1])
+    else:
+        report = run(args)
     text = table(report, args)
     print(text)
     if args.write_docs:
