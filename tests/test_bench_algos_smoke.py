@@ -1,5 +1,5 @@
-"""Smoke test: ``bench/algos.py --quick`` on one algorithm (gae: critic + KL paths) runs (in process, to skip a second
-interpreter start) and ends with a JSON report and the markdown table."""
+"""Smoke test: ``bench/algos.py --quick`` on one algorithm (gae: the critic and KL paths) runs
+in process (no second interpreter start) and ends with a JSON report and the markdown table."""
 
 from __future__ import annotations
 
