@@ -16,6 +16,8 @@ rewards. Each kind has its own AdamW over the parameters only it owns.
 from __future__ import annotations
 
 import copy
+import warnings
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -58,6 +60,38 @@ class ValueModel(torch.nn.Module):
         """(B, T, H) last hidden states -> (B, T) values aligned to tokens (position 0 is 0)."""
         v = self.head(hidden.float()).squeeze(-1)  # (B, T): value after reading token t
         return torch.nn.functional.pad(v[:, :-1], (1, 0))
+
+    FILE = "value_model.pt"
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Write the head (and critic backbone) with its optimizer into a checkpoint folder,
+        atomically (a temp file renamed), so a resumed PPO run continues with the same critic."""
+        tmp = Path(ckpt_dir) / (self.FILE + ".tmp")
+        torch.save(
+            {"mode": self.mode, "model": self.state_dict(), "optim": self.optimizer.state_dict()},
+            tmp,
+        )
+        tmp.replace(Path(ckpt_dir) / self.FILE)
+
+    def load(self, ckpt_dir: Path) -> bool:
+        """Restore from a checkpoint folder; warn and keep the fresh value model if it has none
+        (a checkpoint written without a value model) or one of the other kind."""
+        path = Path(ckpt_dir) / self.FILE
+        if not path.is_file():
+            warnings.warn(
+                f"{ckpt_dir} holds no value model: the critic restarts from scratch", stacklevel=2
+            )
+            return False
+        saved = torch.load(path, map_location=self.head.weight.device, weights_only=True)
+        if saved["mode"] != self.mode:
+            warnings.warn(
+                f"{path} holds a '{saved['mode']}' value model, not '{self.mode}': restarting it",
+                stacklevel=2,
+            )
+            return False
+        self.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optim"])
+        return True
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
         """Values (B, T) from the critic's own backbone (``critic`` mode only)."""

@@ -217,6 +217,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     value_model = None
     if algo.advantage == "gae":
         value_model = ValueModel(model, algo.value_model, algo.critic_lr)
+        if resume_from is not None:
+            value_model.load(resume_from)
     gen = torch.Generator()
     for step in range(start_step + 1, cfg.train.steps + 1):
         m: dict[str, float] = {}
@@ -269,7 +271,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         out.log(step, m)
         # 7. checkpoint
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            save_checkpoint(
+            ckpt = save_checkpoint(
                 run_dir,
                 step,
                 model,
@@ -278,6 +280,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 {**state, "policy_version": engine.version},
                 cfg.checkpoint.keep,
             )
+            if value_model is not None:
+                value_model.save(ckpt)
 
     after = run_eval(cfg, engine, tokenizer)
     state["evals"]["after"] = after
@@ -285,7 +289,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     if cfg.train.steps > start_step and (
         not cfg.checkpoint.every or cfg.train.steps % cfg.checkpoint.every
     ):
-        save_checkpoint(
+        ckpt = save_checkpoint(
             run_dir,
             cfg.train.steps,
             model,
@@ -294,6 +298,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
             {**state, "policy_version": engine.version},
             cfg.checkpoint.keep,
         )
+        if value_model is not None:
+            value_model.save(ckpt)
     final = run_dir / "final"
     if final.exists():
         shutil.rmtree(final)

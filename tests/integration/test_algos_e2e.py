@@ -116,3 +116,23 @@ def test_three_steps_per_algorithm(name, sft_dir, tmp_path):
     assert (run_dir / "final" / "config.json").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0.0 <= summary["after"]["eval/success_greedy"] <= 1.0
+
+
+@pytest.mark.parametrize("value_model", ["critic", "head"])
+def test_ppo_resume_restores_the_value_model(sft_dir, tmp_path, value_model):
+    """PPO 2 steps + resume to 3 equals 3 steps in one go: the checkpoint carries the value
+    model and its optimizer (without them the resumed critic would restart at V = 0)."""
+    gae = ["train.algo.advantage=gae", f"train.algo.value_model={value_model}"]
+    args = ["train", *BASE, *gae, f"model.path={sft_dir}", "sft.steps=0"]
+    resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    assert main([*args, "train.steps=2", f"run.dir={resumed}"]) == 0
+    assert (resumed / "checkpoints" / "step_000002" / "value_model.pt").is_file()
+    assert main([*args, "train.steps=3", "run.resume=auto", f"run.dir={resumed}"]) == 0
+    assert main([*args, "train.steps=3", f"run.dir={straight}"]) == 0
+    recs = []
+    for d in (resumed, straight):
+        lines = (d / "metrics.jsonl").read_text().splitlines()
+        recs.append({r["step"]: r for r in map(json.loads, lines) if "train/loss" in r})
+    assert recs[0][3]["train/value_loss"] > 0
+    for key in ("rollout/reward_mean", "train/loss", "train/value_loss", "train/grad_norm"):
+        assert recs[0][3][key] == pytest.approx(recs[1][3][key], rel=1e-4, abs=1e-6), key
