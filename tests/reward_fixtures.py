@@ -144,3 +144,9 @@ def reads_stdin(prompts, completions, **kw):
 async def async_raises(prompts, completions, **kw):
     await asyncio.sleep(0)
     raise KeyError("missing")
+
+
+def first_of_group(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """1 for the first sample of each group, 0 for the rest: every group has reward variance."""
+    groups = columns["group_id"]
+    return [1.0 if k == 0 or groups[k - 1] != g else 0.0 for k, g in enumerate(groups)]

@@ -134,6 +134,83 @@ class SFTConfig(_Section):
     )
 
 
+class AlgoConfig(_Section):
+    """The RL algorithm beyond GRPO's defaults; every formula is in docs/algorithms.md."""
+
+    advantage: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"
+    ] = Field("grpo", description="Advantage estimator (verl: adv_estimator).")
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "reinforce"] = Field(
+        "ppo_clip", description="Per-token policy loss; gspo wants clip_eps ~3e-4."
+    )
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="Upper clip eps (DAPO clip-higher 0.28); null = train.clip_eps."
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip c for negative advantages (3 is usual); null = off."
+    )
+    kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator (k3 clamped to [-10, 10]); coefficient is train.kl_coef."
+    )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="Apply the KL penalty as a loss term or subtract it from the reward."
+    )
+    entropy_coef: float = Field(0.0, description="Entropy bonus: loss -= coef * entropy.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    mini_batch_size: int = Field(
+        0, ge=0, description="Trajectories per optimizer step; 0 uses train.mini_batches."
+    )
+    loss_norm_len: int = Field(
+        0, ge=0, description="L of seq-mean-token-sum-norm; 0 = the step's longest row."
+    )
+    old_logprobs: Literal["auto", "recompute", "current", "rollout"] = Field(
+        "auto",
+        description="Old policy of the ratio: auto = trainer recompute when >1 update per batch, "
+        "else current detached; rollout = engine log-probs.",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (reinforce_pp, gae).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    value_model: Literal["critic", "head"] = Field(
+        "critic", description="gae: a separate critic, or a value head on the policy."
+    )
+    critic_lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the value model.")
+    vf_coef: float = Field(0.5, ge=0, description="Value-loss coefficient.")
+    value_clip: float = Field(0.2, gt=0, description="Clip range of the clipped value loss.")
+    rollout_is: Literal["none", "truncate", "mask"] = Field(
+        "none", description="Rollout importance sampling: truncated (TIS) or masked (MIS)."
+    )
+    rollout_is_level: Literal["token", "sequence"] = Field(
+        "token", description="IS weight per token or per sequence (product of token ratios)."
+    )
+    rollout_is_threshold: float = Field(
+        2.0, gt=1, description="TIS cap C / MIS upper bound on pi_old_train / pi_rollout."
+    )
+    rollout_is_threshold_lower: float = Field(
+        0.0, ge=0, lt=1, description="MIS lower bound; 0 = 1 / rollout_is_threshold."
+    )
+
+
+class DapoConfig(_Section):
+    """DAPO's sampling-side parts (arXiv:2503.14476); clip-higher is train.algo.clip_eps_high."""
+
+    dynamic_sampling: bool = Field(
+        False, description="Drop zero-reward-variance groups and sample more tasks to refill."
+    )
+    max_rounds: int = Field(
+        4, gt=0, description="Most rollout rounds per step when refilling the batch."
+    )
+    overlong_buffer_len: int = Field(
+        0, ge=0, description="Soft overlong punishment buffer in policy tokens; 0 = off."
+    )
+    overlong_max_len: int = Field(
+        0, ge=0, description="L_max in policy tokens per episode; 0 = max_new_tokens."
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Largest overlong penalty.")
+    mask_truncated: bool = Field(
+        False, description="Drop from the loss episodes whose last turn hit max_new_tokens."
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(60, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
@@ -145,9 +222,12 @@ class TrainConfig(_Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient; 0 loads no ref.")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon in the group std normalisation.")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = Field(
         "seq-mean-token-mean",
-        description="How token losses combine: per token, or per sequence then averaged.",
+        description="How token losses combine: per token, or per sequence then averaged "
+        "(docs/algorithms.md).",
     )
     mini_batches: int = Field(
         4, gt=0, description="Optimizer steps per rollout batch (PPO mini-batches)."
@@ -158,6 +238,14 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig, description="Rollout sampling parameters."
+    )
+    algo: AlgoConfig = Field(
+        default_factory=AlgoConfig,
+        description="Estimator, policy loss, KL, epochs, off-policy correction.",
+    )
+    dapo: DapoConfig = Field(
+        default_factory=DapoConfig,
+        description="DAPO dynamic sampling and overlong handling.",
     )
 
 

@@ -6,8 +6,8 @@
     1. rollout     env x engine episodes for ``tasks_per_step`` tasks x ``group_size`` samples
     2. reward      the env's sparse reward, summed per episode, plus any configured reward
                    functions (gyre.rewards: weighted, sandboxed if asked)
-    3. advantages  group-relative (GRPO)
-    4. update      PPO-clip on the policy's tokens, optional k3 KL to a frozen reference
+    3. advantages  the named estimator (GRPO by default; docs/algorithms.md)
+    4. update      the named policy loss (PPO-clip by default), optional KL to a frozen reference
     5. sync        copy the new weights into the engine (in process), version-stamped
     6. log         metrics to every sink (console, JSONL, telemetry.*), samples, periodic eval
     7. checkpoint  every ``checkpoint.every`` steps
@@ -21,17 +21,20 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gyre.algos import get_advantage_fn
 from gyre.checkpoint import find_resume, list_checkpoints, load_checkpoint_state, save_checkpoint
 from gyre.config import Config, dump_config, resolve_run_dir
+from gyre.critic import ValueModel
+from gyre.dapo import apply_overlong, sample_groups
 from gyre.engines import TorchEngine, build_engine, initial_sync
 from gyre.envs import env_factory
+from gyre.envs.base import Env
 from gyre.evaluate import evaluate, train_seed
 from gyre.lora import AdapterDisabled, load_policy, trainable_parameters
 from gyre.model import create_tiny_checkpoint, load_pretrained, resolve_device
@@ -40,8 +43,9 @@ from gyre.rewards import build_rewarder
 from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
 from gyre.telemetry.factory import build_telemetry
-from gyre.trainer import GRPOSettings, grpo_update, sft_step
-from gyre.types import SamplingParams
+from gyre.trainer import sft_step
+from gyre.types import SamplingParams, Trajectory
+from gyre.update import batch_advantages, policy_update, prepare_batch, settings_from_config
 
 STREAM_SFT, STREAM_GRPO = 1, 2
 
@@ -148,6 +152,46 @@ def run_sft(cfg: Config, run_dir: Path, device: torch.device, base: Path) -> Pat
     return out_dir
 
 
+def _task_rollout(
+    cfg: Config,
+    state: dict[str, Any],
+    make_env: Callable[[], Env],
+    engine: TorchEngine,
+    tokenizer: Any,
+    step: int,
+    stats: RolloutStats,
+) -> Callable[[int, int], list[Trajectory]]:
+    """``generate(n_tasks, round)``: play ``group_size`` episodes of the next ``n_tasks`` training
+    tasks (advancing the data cursor). Round 0 uses the step's sampling seed as before."""
+
+    def generate(n_tasks: int, round_: int) -> list[Trajectory]:
+        seeds = [train_seed(cfg.run.seed, STREAM_GRPO, state["cursor"] + k) for k in range(n_tasks)]
+        state["cursor"] += n_tasks
+        seed = (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
+        params = _sampling(cfg, tokenizer, seed=seed)
+        return run_episodes(make_env, engine, tokenizer, seeds, cfg.train.group_size, params, stats)
+
+    return generate
+
+
+def _scored_rounds(
+    generate: Callable[[int, int], list[Trajectory]],
+    rewarder: Any,
+    tokenizer: Any,
+    step: int,
+    metrics: dict[str, float],
+) -> Callable[[int, int], list[Trajectory]]:
+    """Wrap a rollout round so its trajectories get their final (reward-function) reward."""
+
+    def play(n: int, rnd: int) -> list[Trajectory]:
+        out = generate(n, rnd)
+        with timed(metrics, "time/reward_s"):
+            metrics.update(rewarder.score(out, tokenizer, step))
+        return out
+
+    return play
+
+
 def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """SFT (if ``sft.steps``) then GRPO for ``train.steps``; returns the run summary."""
     t_start = time.perf_counter()
@@ -192,50 +236,53 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         state["evals"]["before"] = run_eval(cfg, engine, tokenizer)
         out.log(start_step, dict(state["evals"]["before"]))
     make_env = env_factory(cfg.env)
-    advantage_fn = get_advantage_fn("grpo")
-    settings = GRPOSettings(
-        clip_eps=cfg.train.clip_eps,
-        kl_coef=cfg.train.kl_coef,
-        mini_batches=cfg.train.mini_batches,
-        micro_batch_size=cfg.train.micro_batch_size,
-        max_grad_norm=cfg.train.max_grad_norm,
-        temperature=cfg.train.sampling.temperature,
-        top_p=cfg.train.sampling.top_p,
-        loss_agg=cfg.train.loss_agg,
-    )
+    algo, dapo = cfg.train.algo, cfg.train.dapo
+    settings = settings_from_config(cfg.train)
+    value_model = None
+    if algo.advantage == "gae":
+        value_model = ValueModel(model, algo.value_model, algo.critic_lr)
+        if resume_from is not None:
+            value_model.load(resume_from)
     gen = torch.Generator()
     for step in range(start_step + 1, cfg.train.steps + 1):
         m: dict[str, float] = {}
-        # 1. rollout
-        seeds = [
-            train_seed(cfg.run.seed, STREAM_GRPO, state["cursor"] + k)
-            for k in range(cfg.train.tasks_per_step)
-        ]
-        state["cursor"] += cfg.train.tasks_per_step
+        # 1. rollout (with DAPO dynamic sampling: more rounds until the groups have variance)
         stats = RolloutStats()
         with timed(m, "time/rollout_s"):
-            trajs = run_episodes(
-                make_env,
-                engine,
-                tokenizer,
-                seeds,
-                cfg.train.group_size,
-                _sampling(cfg, tokenizer, seed=(cfg.run.seed * 1_000_003 + step) % 2**31),
-                stats,
-            )
+            generate = _task_rollout(cfg, state, make_env, engine, tokenizer, step, stats)
+            # Dynamic sampling filters on the final reward, so each round is scored as it
+            # comes back (phase 2 then has nothing left to do).
+            score_rounds = rewarder is not None and dapo.dynamic_sampling
+            reward_m: dict[str, float] = {}
+            if score_rounds:
+                generate = _scored_rounds(generate, rewarder, tokenizer, step, reward_m)
+            trajs, dapo_m = sample_groups(
+                generate, cfg.train.tasks_per_step, dynamic=dapo.dynamic_sampling,
+                max_rounds=dapo.max_rounds,
+            )  # fmt: skip
+        m.update(dapo_m)
         # 2. reward
-        if rewarder is not None:  # reward functions: t.reward becomes the weighted total
+        if rewarder is not None and not score_rounds:  # t.reward becomes the weighted total
             with timed(m, "time/reward_s"):
                 m.update(rewarder.score(trajs, tokenizer, step))
+        m.update(reward_m)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
-        # 3. advantages
-        adv = advantage_fn(rewards, groups, eps=cfg.train.adv_eps)
-        # 4. update
         with timed(m, "time/train_s"):
+            # 3. advantages (after DAPO's overlong shaping / truncation masking, if enabled)
             batch = collate(trajs, tokenizer.pad_token_id, device)
+            shaped = apply_overlong(rewards, trajs, batch, dapo, cfg.train.sampling, m)
+            m.update(prepare_batch(model, batch, settings, ref_model, value_model))
+            adv, adv_m = batch_advantages(
+                algo.advantage, shaped, groups, batch, settings,
+                eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
+            )  # fmt: skip
+            m.update(adv_m)
+            # 4. update
             gen.manual_seed(cfg.run.seed * 100_003 + step)
-            m.update(grpo_update(model, optimizer, batch, adv.to(device), settings, ref_model, gen))
+            m.update(
+                policy_update(model, optimizer, batch, adv, settings, ref_model, gen, value_model)
+            )
         # 5. weight sync
         if syncer.due(step, cfg.train.steps):
             with timed(m, "time/sync_s"):
@@ -260,7 +307,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         out.log(step, m)
         # 7. checkpoint
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            save_checkpoint(
+            ckpt = save_checkpoint(
                 run_dir,
                 step,
                 model,
@@ -269,6 +316,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 {**state, "policy_version": engine.version},
                 cfg.checkpoint.keep,
             )
+            if value_model is not None:
+                value_model.save(ckpt)
 
     after = run_eval(cfg, engine, tokenizer)
     state["evals"]["after"] = after
@@ -276,7 +325,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     if cfg.train.steps > start_step and (
         not cfg.checkpoint.every or cfg.train.steps % cfg.checkpoint.every
     ):
-        save_checkpoint(
+        ckpt = save_checkpoint(
             run_dir,
             cfg.train.steps,
             model,
@@ -285,6 +334,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
             {**state, "policy_version": engine.version},
             cfg.checkpoint.keep,
         )
+        if value_model is not None:
+            value_model.save(ckpt)
     final = run_dir / "final"
     if final.exists():
         shutil.rmtree(final)

@@ -60,6 +60,7 @@ class Trajectory:
     success: bool
     task_seed: int
     info: dict[str, Any] = field(default_factory=dict)
+    truncated: bool = False  # the episode's last completion hit max_new_tokens (no stop token)
 
     @property
     def num_generated(self) -> int:

@@ -158,3 +158,19 @@ def test_too_many_sandbox_failures_stop_the_run_clearly(tmp_path, listener, caps
     err = capsys.readouterr().err
     assert "reward.sandbox.max_failure_frac=0.2" in err and "reward_failures.jsonl" in err
     assert not (run_dir / "summary.json").exists()
+
+
+def test_dynamic_sampling_filters_on_the_final_reward(tmp_path):
+    # The env reward is mostly 0 for an untrained model (zero-variance groups), but the reward
+    # function gives every group variance: DAPO must see the function's reward, drop nothing,
+    # and train on the function's reward.
+    reward = {"env_weight": 0.0, "functions": [{"fn": "reward_fixtures:first_of_group"}]}
+    train = {**TINY["train"], "dapo": {"dynamic_sampling": True, "max_rounds": 3}}
+    rc, run_dir = _run(tmp_path, reward, train=train)
+    assert rc == 0
+    records = _train_records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["rollout/frac_groups_dropped"] == 0.0
+        assert r["rollout/sampling_rounds"] == 1.0
+        assert r["reward/total_mean"] == pytest.approx(0.5)
