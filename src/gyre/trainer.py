@@ -8,6 +8,7 @@ identical whatever the micro-batch size (tested).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +80,14 @@ def grpo_update(
     grad_norms = []
     total_tokens = 0
     objective = 0.0  # the aggregated loss that was minimised, summed over mini-batches
+    skipped = 0  # optimizer steps dropped for a non-finite loss or gradient
     for mini_idx in minis:
         mini = batch.rows(mini_idx)
         adv_mini = advantages[mini_idx]
         step_tokens = max(mini.num_tokens, 1)  # loss tokens of this optimizer step (for metrics)
         total_tokens += step_tokens
         optimizer.zero_grad(set_to_none=True)
+        mini_loss = 0.0
         # Per-token weights of the whole optimizer step, fixed before the micro-batch loop.
         weights = token_weights(mini.loss_mask, settings.loss_agg)  # (b, T)
         for sl in _micro_slices(mini.input_ids.shape[0], settings.micro_batch_size):
@@ -107,21 +110,37 @@ def grpo_update(
             loss = masked_token_sum(loss_tok, w)
             loss.backward()
             objective += float(loss.detach())
+            mini_loss += float(loss.detach())
             sums["clipfrac"] += float(masked_token_sum(clipped.float(), mb.loss_mask))
             assert ent is not None
             sums["entropy"] += float(masked_token_sum(ent, mb.loss_mask))
             gap = (logp.detach() - mb.rollout_logprobs).abs()
             sums["logprob_gap"] += float(masked_token_sum(gap, mb.loss_mask))
-        grad_norms.append(
-            float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
-        )
-        optimizer.step()
+        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
+        if _finite_step(optimizer, gn, mini_loss):
+            grad_norms.append(gn)
+        else:
+            skipped += 1
     model.eval()
     out = {f"train/{k}": v / max(total_tokens, 1) for k, v in sums.items()}
     out["train/loss"] = objective / len(minis)
-    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     out["train/tokens"] = float(total_tokens)
+    out["train/nonfinite_skipped"] = float(skipped)
     return out
+
+
+def _finite_step(optimizer: torch.optim.Optimizer, grad_norm: float, loss: float) -> bool:
+    """Step only when the loss and the gradient norm are finite; else drop the gradient.
+
+    A NaN/inf would poison the weights and AdamW's moments for good; skipping the update keeps
+    the run alive (the loop counts skips and aborts after ``faults.max_nonfinite_streak``).
+    """
+    if math.isfinite(grad_norm) and math.isfinite(loss):
+        optimizer.step()
+        return True
+    optimizer.zero_grad(set_to_none=True)
+    return False
 
 
 def sft_step(
@@ -146,10 +165,11 @@ def sft_step(
         # token_acc: the share of target tokens the model gives more than half its probability
         correct += float(masked_token_sum((logp.detach() > -0.6931).float(), mb.loss_mask))
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
+    stepped = _finite_step(optimizer, grad_norm, total)
     model.eval()
     return {
         "sft/loss": total / step_tokens,
         "sft/token_acc": correct / step_tokens,
         "sft/grad_norm": grad_norm,
+        "sft/nonfinite_skipped": float(not stepped),
     }
