@@ -221,6 +221,10 @@ class CheckpointStore:
     def path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
 
+    def url_of(self, name: str) -> str:
+        """Where checkpoint ``name`` is, as the user would write it (a path, or a URL)."""
+        return self.path(name) if self.local else self.fs.unstrip_protocol(self.path(name))
+
     def local_path(self, name: str) -> Path:
         assert self.local
         return Path(self.path(name))
@@ -276,13 +280,13 @@ class CheckpointStore:
             cleanup()
             if isinstance(exc, Exception):
                 raise CheckpointError(
-                    f"writing checkpoint {self.path(name)} failed: {exc}; the earlier "
+                    f"writing checkpoint {self.url_of(name)} failed: {exc}; the earlier "
                     "checkpoints are intact"
                 ) from exc
             raise
         if not self.local:
             cleanup()
-        return self.path(name)
+        return self.url_of(name)
 
     def _upload(self, stage: Path, name: str) -> None:
         dest = self.path(name)
@@ -547,7 +551,7 @@ def newest_valid(store: CheckpointStore, prefix: str, cache: Path) -> tuple[str,
             return name, local
         log.warning(
             "skipping checkpoint %s: %s; trying the previous one",
-            store.path(name),
+            store.url_of(name),
             "; ".join(problems[:3]),
         )
     return None

@@ -319,13 +319,13 @@ class Checkpointer:
     def _plan_auto(self) -> ResumePlan:
         found = newest_valid(self.store, GRPO_PREFIX, self.cache)
         if found:
-            return ResumePlan("grpo", found[1], self.store.path(found[0]))
+            return ResumePlan("grpo", found[1], self.store.url_of(found[0]))
         if self.cfg.sft.steps > 0:
             if self.sft_done():
                 return ResumePlan("grpo_start", where=str(self.run_dir / "sft"))
             found = newest_valid(self.store, SFT_PREFIX, self.cache)
             if found:
-                return ResumePlan("sft", found[1], self.store.path(found[0]))
+                return ResumePlan("sft", found[1], self.store.url_of(found[0]))
         if self.holds_run():
             log.warning("run.resume=auto: no valid checkpoint in %s; starting from scratch",
                         self.store.url)

@@ -79,12 +79,74 @@ def _progress(run_dir: Path) -> int:
     return n
 
 
-def _launch(args: list[str], run_dir: Path, log: Path, extra_env: dict[str, str]) -> Any:
+class _ForkProc:
+    """A ``gyre train`` in a forked child of this (already imported) process.
+
+    The fast test variant uses it to skip the seconds of ``import torch`` per launch; the child
+    is a separate process all the same, so SIGKILL hits it exactly as it hits a real one.
+    """
+
+    def __init__(self, argv: list[str], log: Path, extra_env: dict[str, str]) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # child
+            rc = 1
+            try:
+                fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.environ.update(extra_env)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                from gyre.cli import main
+
+                rc = main(argv)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.perf_counter() + timeout
+        while self.poll() is None:
+            if end is not None and time.perf_counter() > end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _launch(
+    args: list[str], run_dir: Path, log: Path, extra_env: dict[str, str], fork: bool = False
+) -> Any:
+    argv = ["train", *args, f"run.dir={run_dir}", "log.console=off"]
+    if fork:
+        return _ForkProc(argv, log, extra_env)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra_env}
-    cmd = [sys.executable, "-m", "gyre.cli", "train", *args, f"run.dir={run_dir}",
-           "log.console=off"]
     with open(log, "ab") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "gyre.cli", *argv], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
 
 
 def _wait(proc: Any, timeout: float) -> int:
@@ -148,11 +210,14 @@ def verify_resume(
     workdir: Path | None = None,
     timeout: float = 1800.0,
     echo: bool = False,
+    fork: bool = False,
 ) -> VerifyReport:
     """Run ``gyre train *args`` straight and SIGKILLed ``kills`` times; compare the results.
 
     ``args`` are the ``gyre train`` arguments (an optional config file then key=value
-    overrides); ``run.dir``, ``run.resume`` and ``log.console`` are set here.
+    overrides); ``run.dir``, ``run.resume`` and ``log.console`` are set here. ``fork=True``
+    forks this process for each launch instead of starting ``python -m gyre.cli`` (faster; the
+    caller must already be single-threaded, as the test suite is).
     """
     if kills < 1:
         raise ValueError("verify-resume needs kills >= 1")
@@ -172,7 +237,7 @@ def verify_resume(
     # 1. the straight run, timing its steps to size the random kill delays
     say(f"[verify-resume] straight run in {straight}")
     t0 = time.perf_counter()
-    proc = _launch(args, straight, work / "straight.log", {})
+    proc = _launch(args, straight, work / "straight.log", {}, fork)
     first_progress = None
     while proc.poll() is None:
         if first_progress is None and _progress(straight) > 0:
@@ -199,7 +264,7 @@ def verify_resume(
         env = {"GYRE_FAULT": f"checkpoint.write:pause=600:{marker}"} if kind == (
             "checkpoint-write") else {}
         say(f"[verify-resume] {kind}: launching (resume=auto)")
-        proc = _launch([*args, "run.resume=auto"], killed, log, env)
+        proc = _launch([*args, "run.resume=auto"], killed, log, env, fork)
         deadline = time.perf_counter() + timeout
         while proc.poll() is None and time.perf_counter() < deadline:
             if kind == "checkpoint-write" and marker.exists():
@@ -224,7 +289,7 @@ def verify_resume(
         else:
             report.kills += 1
     say("[verify-resume] resuming to the end")
-    proc = _launch([*args, "run.resume=auto"], killed, log, {})
+    proc = _launch([*args, "run.resume=auto"], killed, log, {}, fork)
     rc = _wait(proc, timeout)
     report.killed_s = time.perf_counter() - t0
     if rc != EXIT_OK:

@@ -85,7 +85,7 @@ def test_find_resume_newest_broken_falls_back_with_warning(tmp_path, caplog):
     assert find_resume(tmp_path, "never") is None
     explicit = checkpoint_dir(tmp_path) / "step_000002"
     assert find_resume(tmp_path, str(explicit)) == explicit
-    with pytest.raises(FileNotFoundError, match="step_000012.*sha256"):
+    with pytest.raises(FileNotFoundError, match=r"step_000012.*sha256"):
         find_resume(tmp_path, str(broken))
 
 
@@ -168,7 +168,7 @@ def test_disk_full_during_write_keeps_previous(tmp_path, tiny, tokenizer):
 
     set_fault_hook("checkpoint.write", full)
     try:
-        with pytest.raises(CheckpointError, match="step_000002.*No space left on device"):
+        with pytest.raises(CheckpointError, match=r"step_000002.*No space left on device"):
             save_checkpoint(tmp_path, 2, model, tokenizer, opt, {"cursor": 2}, keep=1)
     finally:
         set_fault_hook("checkpoint.write", None)
