@@ -212,7 +212,14 @@ class CheckpointStore:
 
     def __init__(self, url: str | Path) -> None:
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        except (ImportError, ValueError) as exc:
+            scheme = self.url.split("://", 1)[0]
+            raise CheckpointError(
+                f"cannot open checkpoint storage {self.url!r}: {exc} (for {scheme}:// install "
+                f"its fsspec filesystem, e.g. pip install 'gyre[{scheme}]' for s3 or gcs)"
+            ) from exc
         self.local = "file" in _protocols(self.fs)
 
     def __repr__(self) -> str:

@@ -378,6 +378,7 @@ def _train(
         "before": state["evals"]["before"],
         "after": after,
         "faults": faults,
+        "checkpoints": ckpt.summary(),
         "wall_s": time.perf_counter() - t_start,
     }
     write_file_atomically(run_dir / "summary.json", json.dumps(summary, indent=2))

@@ -20,8 +20,8 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,6 +254,7 @@ class Checkpointer:
         self.config = cfg.model_dump(mode="json")
         self.config_hash = config_hash(self.config)
         self.failed_writes = 0
+        self.stats: list[dict[str, Any]] = []
 
     # -- fresh-run refusal ---------------------------------------------------------------------
     def holds_run(self) -> list[str]:
@@ -363,6 +364,7 @@ class Checkpointer:
         full = {**state, "metrics_offset": durable_size(metrics_path)}
         snap = Snapshot(step, full, optimizer, scheduler, generators, self.config,
                         self.config_hash, phase)
+        t0 = time.perf_counter()
         try:
             path = save(self.store, f"{prefix}{step:06d}", model, tokenizer, snap)
         except CheckpointError as exc:
@@ -371,8 +373,27 @@ class Checkpointer:
                 log.warning("%s (checkpoint.on_error=continue: training goes on)", exc)
                 return None
             raise
+        self.stats.append({"phase": phase, "step": step, "seconds": time.perf_counter() - t0,
+                           "bytes": self._size(path)})
         self.store.prune(prefix, self.cfg.checkpoint.keep, self.cfg.checkpoint.keep_every)
         return path
+
+    def _size(self, path: str) -> int:
+        try:
+            return int(sum(m["size"] for m in json.loads(
+                self.store.fs.cat_file(f"{path}/{MANIFEST_FILE}"))["files"].values()))
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    def summary(self) -> dict[str, Any]:
+        """Checkpoint writes of this process: count, failures, mean seconds, last size."""
+        grpo = [s for s in self.stats if s["phase"] == "grpo"] or self.stats
+        return {
+            "writes": len(self.stats),
+            "failed_writes": self.failed_writes,
+            "mean_write_s": float(np.mean([s["seconds"] for s in grpo])) if grpo else 0.0,
+            "bytes": grpo[-1]["bytes"] if grpo else 0,
+        }
 
     def drop_sft(self) -> None:
         """SFT checkpoints are useless once ``sft/`` is complete."""
@@ -394,14 +415,6 @@ def preempt_if_requested(
     if path is None:
         raise CheckpointError(f"stopping on {guard.signame} but the checkpoint write failed")
     raise Preempted(guard.signame or "signal", phase, step, path)
-
-
-def print_err(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def nonfinite(value: float) -> bool:
-    return not np.isfinite(value)
 
 
 __all__ = [
