@@ -240,6 +240,7 @@ def _train(
                 policy_path = run_sft(cfg, run_dir, device, policy_path, ckpt, plan, guard)
             else:
                 policy_path = run_dir / "sft"
+                ckpt.drop_sft()  # leftovers of a kill between sft/ and their deletion
         # GRPO starts from a known RNG state whether or not SFT ran in this process.
         random.seed(cfg.run.seed)
         np.random.seed(cfg.run.seed % 2**32)

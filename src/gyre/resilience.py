@@ -22,7 +22,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -406,7 +406,11 @@ class Checkpointer:
 
 
 def preempt_if_requested(
-    guard: StopGuard | None, phase: str, step: int, saved: str | None, save_now: Any
+    guard: StopGuard | None,
+    phase: str,
+    step: int,
+    saved: str | None,
+    save_now: Callable[[], str | None],
 ) -> None:
     """At a safe point: if a stop was requested, make sure a checkpoint exists and stop."""
     if guard is None or not guard.requested:

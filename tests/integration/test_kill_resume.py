@@ -419,3 +419,20 @@ def test_env_failure_fraction_aborts(flaky_env, tmp_path, capsys):
     rc = _train(run_dir, "sft.steps=0", "faults.max_failed_fraction=0.1", "eval.episodes=0")
     assert rc == EXIT_FAULTS
     assert "faults.max_failed_fraction=0.1" in capsys.readouterr().err
+
+
+def test_verify_resume_cli_validates_first(capsys):
+    assert main(["verify-resume", "train.stepz=3"]) == 2
+    assert "unknown config key 'train.stepz'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["verify-resume", "--help"])
+    assert "--kills" in capsys.readouterr().out
+
+
+def test_run_dir_urls(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert _train(f"file://{run_dir}", "sft.steps=0", "train.steps=1", "eval.episodes=0") == 0
+    assert (run_dir / "checkpoints" / "step_000001" / "manifest.json").is_file()
+    capsys.readouterr()
+    assert _train("memory://somewhere", "sft.steps=0", "train.steps=1") == 1
+    assert "checkpoint.dir=<fsspec URL>" in capsys.readouterr().err
