@@ -40,6 +40,7 @@ from gyre.resilience import (
     ResumePlan,
     StopGuard,
     TaskCursor,
+    cached,
     preempt_if_requested,
     rewind_metrics,
 )
@@ -140,12 +141,18 @@ def run_sft(
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
     make_env = env_factory(cfg.env)
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
-    demos = [
-        demonstrate(
-            make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng
-        )
-        for k in range(cfg.sft.demos)
-    ]
+    demo_key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
+                "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab()}
+    demos = cached(
+        run_dir / "sft_demos.pt",
+        demo_key,
+        lambda: [
+            demonstrate(
+                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng
+            )
+            for k in range(cfg.sft.demos)
+        ],
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.sft.warmup_steps))

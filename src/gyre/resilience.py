@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -183,6 +184,29 @@ class TaskCursor:
         self.pos = int(state["pos"])
 
 
+# -- derived data cache ------------------------------------------------------------------------
+def cached(path: Path, key: Mapping[str, Any], build: Callable[[], Any]) -> Any:
+    """``build()``'s result, kept in ``path`` for the same ``key`` (deterministic data only).
+
+    SFT demonstrations take tens of seconds to generate and are a pure function of the config;
+    caching them makes a resume reach its first step in seconds. A different key (config
+    change) or an unreadable file rebuilds.
+    """
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    if path.is_file():
+        try:
+            saved = torch.load(path, weights_only=False)
+            if saved.get("key") == digest:
+                return saved["value"]
+        except Exception as exc:  # a torn or foreign file: rebuild it
+            log.warning("ignoring cache %s (%s); rebuilding", path, exc)
+    value = build()
+    tmp = path.parent / f".tmp_{path.name}"
+    torch.save({"key": digest, "value": value}, tmp)
+    os.replace(tmp, path)
+    return value
+
+
 # -- metrics files -----------------------------------------------------------------------------
 def durable_size(path: Path) -> int:
     """fsync ``path`` (through any descriptor: fsync acts on the file) and return its size."""
@@ -239,7 +263,7 @@ class ResumePlan:
 
 # Everything a run writes into run.dir (what run.overwrite=true removes).
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "sft_metrics.jsonl", "sft", "final", "init",
-               "summary.json", ".resume_cache")
+               "summary.json", ".resume_cache", "sft_demos.pt")
 
 
 class Checkpointer:

@@ -252,12 +252,16 @@ def verify_resume(
     step_s = (time.perf_counter() - (first_progress or t0)) / lines
 
     # 2. the killed run
-    plan = ["checkpoint-write"] + ["random"] * (kills - 1)
-    rng.shuffle(plan)
-    plan.insert(int(rng.integers(0, len(plan) + 1)), "sigterm")
+    # Random kills land after a seeded number of metrics lines (spread over SFT and GRPO, never
+    # in the last few lines so the run cannot finish first) plus a seeded part of a step.
+    hi = max(lines - 3, kills)
+    targets = sorted(int(t) for t in rng.choice(np.arange(1, hi + 1), kills - 1, replace=False))
+    plan: list[tuple[str, int]] = [("random", t) for t in targets]
+    plan.insert(int(rng.integers(0, len(plan) + 1)), ("checkpoint-write", 0))
+    plan.insert(int(rng.integers(0, len(plan) + 1)), ("sigterm", 0))
     t0 = time.perf_counter()
     log = work / "killed.log"
-    for kind in plan:
+    for kind, target in plan:
         before = _progress(killed)
         marker = work / "in-checkpoint-write"
         marker.unlink(missing_ok=True)
@@ -269,11 +273,11 @@ def verify_resume(
         while proc.poll() is None and time.perf_counter() < deadline:
             if kind == "checkpoint-write" and marker.exists():
                 break
-            if kind != "checkpoint-write" and _progress(killed) > before:
+            if kind != "checkpoint-write" and _progress(killed) > max(before, target - 1):
                 break
-            time.sleep(0.02)
+            time.sleep(0.01)
         if kind != "checkpoint-write":
-            time.sleep(float(rng.uniform(0.0, 2.0 * step_s)))
+            time.sleep(float(rng.uniform(0.0, step_s)))
         if proc.poll() is not None:
             report.events.append(Event(kind, _progress(killed), proc.returncode))
             say(f"[verify-resume] the run ended (rc {proc.returncode}) before the {kind}")
