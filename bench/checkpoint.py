@@ -10,6 +10,8 @@
 2. ``gyre train ... run.resume=auto`` one step further, timed from process start to the first
    new step in ``metrics.jsonl`` (so it includes ``import torch``, hash verification, loading and
    that step's own compute); the step's compute is reported apart.
+3. The same command once more on the now finished run: everything a resume does except a step
+   (the resume overhead).
 
 The last line is one JSON object with every figure.
 """
@@ -67,6 +69,7 @@ def main() -> None:
     proc.wait()
     if first is None:
         raise SystemExit("the resumed run logged no new step")
+    overhead = _relaunch_finished(base, target)
     out = {
         "checkpoint_write_s": round(ck["mean_write_s"], 4),
         "checkpoint_writes_timed": ck["writes"],
@@ -75,13 +78,24 @@ def main() -> None:
         "share_at_every_20": round(share, 5),
         "resume_to_first_new_step_s": round(first, 2),
         "of_which_step_compute_s": round(new_step_s, 2),
+        "resume_overhead_s": round(overhead, 2),
         "threads": a.threads,
     }
     print(f"checkpoint: {ck['bytes'] / 1e6:.2f} MB, {ck['mean_write_s'] * 1000:.0f} ms per write "
           f"(mean of {ck['writes']}, fsync included)")
     print(f"GRPO step: {step_s:.2f} s -> checkpoint share at checkpoint.every=20: {share:.3%}")
     print(f"resume -> first new step: {first:.1f} s (that step's own compute {new_step_s:.1f} s)")
+    print(f"resume overhead without a step (relaunch of the finished run): {overhead:.1f} s")
     print(json.dumps(out))
+
+
+def _relaunch_finished(base: list[str], steps: int) -> float:
+    """Wall time of ``run.resume=auto`` on a finished run: process start, imports, hash
+    verification, model/optimizer/RNG load, writing final/ -- everything but a training step."""
+    t0 = time.perf_counter()
+    subprocess.run(_gyre([*base, f"train.steps={steps}", "run.resume=auto"]), check=True,
+                   stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
