@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         report = verify_resume(
             raw, ns.kills, ns.seed, Path(ns.workdir) if ns.workdir else None, echo=True
         )
-        console.print(report.summary())
+        print(report.summary())
         return 0 if report.ok else 1
     from gyre.checkpoint import CheckpointError
     from gyre.resilience import EXIT_FAULTS, EXIT_PREEMPTED, FaultAbort, Preempted

@@ -4,9 +4,10 @@ It runs the same config twice as ``python -m gyre.cli train`` subprocesses:
 
 1. **straight**: start to finish, never interrupted;
 2. **killed**: SIGKILLed at ``kills`` moments and resumed (``run.resume=auto``) after each,
-   then run to the end. The moments are random (a seeded delay after the process has made new
-   progress, so every kill lands somewhere new) except one, which is guaranteed to land *inside*
-   a checkpoint write: that process stalls in the write (``GYRE_FAULT=checkpoint.write:pause``)
+   then run to the end. The moments are random -- once the metrics files reach a seeded line
+   count (spread over SFT and GRPO, never the last few lines, so the run cannot finish first),
+   plus a seeded fraction of a step -- except one, which is guaranteed to land *inside* a
+   checkpoint write: that process stalls in the write (``GYRE_FAULT=checkpoint.write:pause``)
    after the files are written and before the manifest and the rename, and is killed there. One
    extra SIGTERM checks the preemption path (exit code 75) on the way.
 
