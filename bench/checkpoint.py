@@ -1,6 +1,6 @@
 """Checkpoint cost and resume latency for the default model (docs/operations.md).
 
-    python bench/checkpoint.py [--sft-steps 100] [--steps 6] [--threads 2]
+    python bench/checkpoint.py [--sft-steps 100] [--steps 6] [--threads 2] [key=value ...]
 
 1. ``gyre train`` with the default model and GRPO settings (``sft.steps`` shortened, evaluation
    off, a checkpoint after *every* step so several writes are timed). From ``summary.json`` and
@@ -39,12 +39,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", default="")
+    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gyre-bench-ckpt-"))
     run = work / "run"
     base = [f"run.dir={run}", f"sft.steps={a.sft_steps}", "eval.episodes=0",
             "checkpoint.every=1", "checkpoint.keep=2", "log.console=off",
-            f"run.threads={a.threads}"]
+            f"run.threads={a.threads}", *a.overrides]
     subprocess.run(_gyre([*base, f"train.steps={a.steps}"]), check=True)
     summary = json.loads((run / "summary.json").read_text())
     ck = summary["checkpoints"]
