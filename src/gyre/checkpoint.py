@@ -347,11 +347,20 @@ class CheckpointStore:
         return doomed
 
     def clean_staging(self) -> None:
-        """Remove ``.tmp_*`` / ``.old_*`` leftovers of a write that was killed."""
+        """Tidy up after a write that was killed: drop ``.tmp_*`` staging folders; put back an
+        ``.old_<name>`` whose replacement never got renamed in (a re-save of the same step)."""
         if not self.local or not Path(self.root).is_dir():
             return
         for p in Path(self.root).iterdir():
-            if p.name.startswith((".tmp_", ".old_")) and p.is_dir():
+            if not p.is_dir():
+                continue
+            if p.name.startswith(".old_"):
+                final = p.parent / p.name[len(".old_") :]
+                if final.exists():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.rename(final)
+            elif p.name.startswith(".tmp_"):
                 shutil.rmtree(p, ignore_errors=True)
 
 

@@ -276,3 +276,17 @@ def test_model_mismatch_lists_fields(tmp_path, tiny_cfg):
     check_model(a, a)
     with pytest.raises(CheckpointMismatchError, match="num_hidden_layers: checkpoint=2, now=3"):
         check_model(a, b)
+
+
+def test_kill_during_same_step_resave_keeps_the_old_copy(tmp_path, tiny, tokenizer):
+    """Killed between moving step_N aside and renaming its replacement in: step_N comes back."""
+    model, opt = tiny
+    path = save_checkpoint(tmp_path, 4, model, tokenizer, opt, {"cursor": 1}, keep=1)
+    root = checkpoint_dir(tmp_path)
+    path.rename(root / ".old_step_000004")  # the state right after the first rename
+    (root / ".tmp_step_000004").mkdir()  # the replacement, never renamed in
+    store = CheckpointStore(root)
+    store.clean_staging()
+    assert sorted(p.name for p in root.iterdir()) == ["step_000004"]
+    assert verify_dir(root / "step_000004") == []
+    assert find_resume(tmp_path, "auto") == root / "step_000004"
