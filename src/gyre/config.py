@@ -39,6 +39,10 @@ class RunConfig(_Section):
     )
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1' or 'auto'.")
     threads: int = Field(0, ge=0, description="Torch intra-op threads; 0 uses every core.")
+    overwrite: bool = Field(
+        False,
+        description="With run.resume=never, delete an earlier run in run.dir instead of refusing.",
+    )
 
 
 class LoraConfig(_Section):
@@ -300,6 +304,32 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(20, ge=0, description="Checkpoint every N GRPO steps; 0 only at the end.")
     keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+    keep_every: int = Field(
+        0, ge=0, description="Also keep every checkpoint whose step is a multiple of this; 0: none."
+    )
+    sft_every: int = Field(
+        100, ge=0, description="Checkpoint every N SFT steps (resumable SFT); 0: never."
+    )
+    dir: str = Field(
+        "",
+        description="Checkpoint root: a path or fsspec URL (s3://... needs s3fs); "
+        "empty: <run.dir>/checkpoints.",
+    )
+    on_error: Literal["stop", "continue"] = Field(
+        "stop", description="A failed checkpoint write (e.g. disk full): stop the run or go on."
+    )
+
+
+class FaultsConfig(_Section):
+    max_nonfinite_streak: int = Field(
+        3, ge=1, description="Abort after this many steps in a row with a NaN/inf loss or grad."
+    )
+    max_failed_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Abort when more than this share of all episodes so far raised in the env.",
+    )
 
 
 class LogConfig(_Section):
@@ -420,6 +450,9 @@ class Config(_Section):
     )
     engine: EngineConfig = Field(
         default_factory=EngineConfig, description="Rollout engine and weight sync."
+    )
+    faults: FaultsConfig = Field(
+        default_factory=FaultsConfig, description="Fault tolerance policies."
     )
 
     @field_validator("run")

@@ -8,7 +8,9 @@ The policy's own tokens are never re-tokenised, so the trainer scores exactly wh
 
 from __future__ import annotations
 
+import logging
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -20,6 +22,7 @@ from gyre.envs.base import Demonstrator, Env
 from gyre.types import GenerationRequest, SamplingParams, Trajectory
 
 _SESSION_COUNTER = iter(range(1 << 62))
+_log = logging.getLogger("gyre.rollout")
 
 
 @dataclass
@@ -27,6 +30,7 @@ class RolloutStats:
     seconds: float = 0.0
     generated_tokens: int = 0
     turns: int = 0
+    failed_episodes: int = 0  # episodes whose env raised (see run_episodes)
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,17 +76,25 @@ def run_episodes(
     ids: list[list[int]] = []
     mask: list[list[int]] = []
     lps: list[list[float]] = []
+    infos: list[dict] = [{} for _ in range(n)]
+    failed: set[int] = set()
     for k, seed in enumerate(task_seeds):
         for j in range(group_size):
-            first = prompt_ids(tokenizer, envs[k * group_size + j].reset(int(seed)))
+            i = k * group_size + j
+            try:
+                first_obs = envs[i].reset(int(seed))
+            except Exception:
+                infos[i] = _env_failure(i, int(seed), "reset")
+                failed.add(i)
+                first_obs = ""
+            first = prompt_ids(tokenizer, first_obs) or [tokenizer.pad_token_id]
             ids.append(first)
             mask.append([0] * len(first))
             lps.append([0.0] * len(first))
     reward = [0.0] * n
     turns = [0] * n
-    infos: list[dict] = [{} for _ in range(n)]
     truncated = [False] * n
-    active = list(range(n))
+    active = [i for i in range(n) if i not in failed]
     gen_tokens = 0
     while active:
         reqs = [GenerationRequest(ids[i], session=sessions[i]) for i in active]
@@ -97,9 +109,14 @@ def run_episodes(
             gen_tokens += len(out.token_ids)
             truncated[i] = out.finish_reason == "length"
             text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            obs, r, done, info = envs[i].step(text)
-            reward[i] += r
             turns[i] += 1
+            try:
+                obs, r, done, info = envs[i].step(text)
+            except Exception:
+                infos[i] = _env_failure(i, int(task_seeds[i // group_size]), "step")
+                failed.add(i)
+                continue
+            reward[i] += r
             infos[i] = info
             if done:
                 continue
@@ -111,6 +128,9 @@ def run_episodes(
         kept = set(still)
         engine.release(sessions[i] for i in active if i not in kept)
         active = still
+    for i in failed:  # a failed episode is kept for the record but never trained on
+        mask[i] = [0] * len(mask[i])
+        reward[i] = 0.0
     trajs = [
         Trajectory(
             token_ids=ids[i],
@@ -131,7 +151,21 @@ def run_episodes(
         stats.seconds += time.perf_counter() - t0
         stats.generated_tokens += gen_tokens
         stats.turns += sum(turns)
+        stats.failed_episodes += len(failed)
     return trajs
+
+
+def _env_failure(episode: int, seed: int, where: str) -> dict:
+    """Log an env exception with its traceback and return the failed episode's info.
+
+    The episode ends there with reward 0 and an all-zero loss mask (nothing is learned from
+    it); ``info["failed"]`` marks it so the loop can count failures against
+    ``faults.max_failed_fraction``.
+    """
+    tb = traceback.format_exc()
+    _log.warning("env %s raised in episode %d (task seed %d); episode marked failed:\n%s",
+                 where, episode, seed, tb)
+    return {"success": False, "failed": True, "error": tb.strip().splitlines()[-1]}
 
 
 def demonstrate(

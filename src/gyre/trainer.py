@@ -12,7 +12,7 @@ import torch
 
 from gyre.algos import LOSS_AGGREGATIONS, agg_weights, masked_token_sum
 from gyre.policy import TokenBatch, token_logprobs
-from gyre.update import GRPOSettings, policy_update
+from gyre.update import GRPOSettings, finite_step, policy_update
 
 __all__ = ["LOSS_AGGREGATIONS", "GRPOSettings", "grpo_update", "sft_step", "token_weights"]
 
@@ -70,10 +70,11 @@ def sft_step(
         # token_acc: the share of target tokens the model gives more than half its probability
         correct += float(masked_token_sum((logp.detach() > -0.6931).float(), mb.loss_mask))
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
+    stepped = finite_step(optimizer, grad_norm, total)
     model.eval()
     return {
         "sft/loss": total / step_tokens,
         "sft/token_acc": correct / step_tokens,
         "sft/grad_norm": grad_norm,
+        "sft/nonfinite_skipped": float(not stepped),
     }

@@ -20,6 +20,7 @@ forward. ``rollout`` uses the engine's log-probs as old (the behaviour before th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -202,6 +203,19 @@ def batch_advantages(
     return adv.to(mask.device), metrics
 
 
+def finite_step(optimizer: torch.optim.Optimizer, grad_norm: float, loss: float) -> bool:
+    """Step only when the loss and the gradient norm are finite; else drop the gradient.
+
+    A NaN/inf would poison the weights and AdamW's moments for good; skipping the update keeps
+    the run alive (the loop counts skips and aborts after ``faults.max_nonfinite_streak``).
+    """
+    if math.isfinite(grad_norm) and math.isfinite(loss):
+        optimizer.step()
+        return True
+    optimizer.zero_grad(set_to_none=True)
+    return False
+
+
 def policy_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -247,7 +261,9 @@ def policy_update(
     grad_norms = []
     total_tokens = 0
     objective = 0.0  # the aggregated loss that was minimised, summed over optimizer steps
+    skipped = 0  # optimizer steps dropped for a non-finite loss or gradient
     for mini_idx in minis:
+        objective_before = objective
         mini = batch.rows(mini_idx)
         adv_mini = advantages[mini_idx] if advantages.dim() == 1 else None
         step_tokens = max(mini.num_tokens, 1)  # loss tokens of this optimizer step (for metrics)
@@ -333,19 +349,21 @@ def policy_update(
                     "rollout_logprob_gap",
                     masked_token_sum((old - mb.rollout_logprobs).abs(), mb.loss_mask),
                 )
-        grad_norms.append(
-            float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
-        )
-        optimizer.step()
+        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
+        if finite_step(optimizer, gn, objective - objective_before):
+            grad_norms.append(gn)
+        else:
+            skipped += 1
         if value_model is not None:
             own = [p for p in value_model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(own, settings.max_grad_norm)
-            value_model.optimizer.step()
+            vgn = float(torch.nn.utils.clip_grad_norm_(own, settings.max_grad_norm))
+            finite_step(value_model.optimizer, vgn, 0.0)
     model.eval()
     out = {f"train/{k}": v / max(total_tokens, 1) for k, v in sums.items()}
     out.update({f"train/{k}": v / max(total_tokens, 1) for k, v in extra_sums.items()})
     out["train/loss"] = objective / len(minis)
-    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    out["train/nonfinite_skipped"] = float(skipped)
     out["train/tokens"] = float(total_tokens)
     out["train/optimizer_steps"] = float(len(minis))
     return out

@@ -142,11 +142,12 @@ def test_checkpoint_age_is_read_from_the_newest_checkpoint(tmp_path):
         d = tmp_path / "checkpoints" / f"step_{step:06d}"
         d.mkdir(parents=True)
         (d / "state.json").write_text("{}")
+        (d / "manifest.json").write_text("{}")  # written last: the checkpoint is complete
     import os
     import time
 
     old = time.time() - 100
-    os.utime(tmp_path / "checkpoints" / "step_000010" / "state.json", (old, old))
+    os.utime(tmp_path / "checkpoints" / "step_000010" / "manifest.json", (old, old))
     s = _samples(exp)
     assert s[("gyre_checkpoint_step", ())] == 10
     assert 99 <= s[("gyre_checkpoint_age_seconds", ())] < 200

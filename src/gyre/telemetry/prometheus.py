@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre.checkpoint import STATE_FILE, list_checkpoints
+from gyre.checkpoint import MANIFEST_FILE, list_checkpoints
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -198,7 +198,7 @@ class PrometheusExporter:
         if newest is None:
             return math.nan
         try:
-            return max(0.0, time.time() - (newest / STATE_FILE).stat().st_mtime)
+            return max(0.0, time.time() - (newest / MANIFEST_FILE).stat().st_mtime)
         except FileNotFoundError:  # rotated away between listing and stat
             return math.nan
 
