@@ -37,7 +37,7 @@ from gyre.policy import collate
 from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
 from gyre.trainer import GRPOSettings, grpo_update, sft_step
-from gyre.types import SamplingParams
+from gyre.types import SamplingParams, Trajectory
 
 STREAM_SFT, STREAM_GRPO = 1, 2
 
@@ -144,8 +144,82 @@ def run_sft(cfg: Config, run_dir: Path, device: torch.device, base: Path) -> Pat
     return out_dir
 
 
+# -- phases shared by every runner (the Ray runner calls these from its actors / driver) -------
+def rollout_seed(cfg: Config, step: int) -> int:
+    """The sampler seed of GRPO step ``step`` (1-based)."""
+    return (cfg.run.seed * 1_000_003 + step) % 2**31
+
+
+def grpo_settings(cfg: Config) -> GRPOSettings:
+    return GRPOSettings(
+        clip_eps=cfg.train.clip_eps,
+        kl_coef=cfg.train.kl_coef,
+        mini_batches=cfg.train.mini_batches,
+        micro_batch_size=cfg.train.micro_batch_size,
+        max_grad_norm=cfg.train.max_grad_norm,
+        temperature=cfg.train.sampling.temperature,
+        top_p=cfg.train.sampling.top_p,
+        loss_agg=cfg.train.loss_agg,
+    )
+
+
+def advantages_phase(cfg: Config, trajs: list[Trajectory]) -> torch.Tensor:
+    """Phases 2-3: episode rewards -> group-relative advantages, (N,)."""
+    rewards = torch.tensor([t.reward for t in trajs])
+    groups = torch.tensor([t.group_id for t in trajs])
+    return get_advantage_fn("grpo")(rewards, groups, eps=cfg.train.adv_eps)
+
+
+def update_phase(
+    cfg: Config,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trajs: list[Trajectory],
+    adv: torch.Tensor,
+    pad_token_id: int,
+    ref_model: torch.nn.Module | None,
+    comm: Any = None,
+) -> dict[str, float]:
+    """Phase 4: collate and update. Under data parallelism ``trajs`` is this rank's shard."""
+    device = next(model.parameters()).device
+    batch = collate(trajs, pad_token_id, device)
+    gen = torch.Generator()
+    gen.manual_seed(cfg.run.seed * 100_003 + step)
+    settings = grpo_settings(cfg)
+    return grpo_update(model, optimizer, batch, adv.to(device), settings, ref_model, gen, comm)
+
+
+def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
+    """Phase 6's rollout statistics of one training batch (groups of ``group_size``)."""
+    rewards = torch.tensor([t.reward for t in trajs])
+    grouped = rewards.view(-1, group_size)
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/success_rate": float(np.mean([t.success for t in trajs])),
+        "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+        "rollout/response_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
+        "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
+    }
+
+
+def open_sinks(cfg: Config, run_dir: Path, sink: MetricsSink | None = None) -> MultiSink:
+    """metrics.jsonl, the console (unless off) and an optional caller's sink."""
+    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    console = _console(cfg, cfg.train.steps, "GRPO")
+    if console:
+        sinks.append(console)
+    if sink is not None:
+        sinks.append(sink)
+    return MultiSink(*sinks)
+
+
 def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """SFT (if ``sft.steps``) then GRPO for ``train.steps``; returns the run summary."""
+    if cfg.runner != "local":  # distribution is the runner's concern; this module stays Ray-free
+        from gyre.runners import get_runner
+
+        return get_runner(cfg.runner)(cfg, sink)
     t_start = time.perf_counter()
     run_dir, device = setup(cfg, fresh_check=True)
     resume_from = find_resume(run_dir, cfg.run.resume)
@@ -174,30 +248,12 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         start_step = int(state["step"])
         engine.version = int(state.get("policy_version", start_step))
 
-    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
-    console = _console(cfg, cfg.train.steps, "GRPO")
-    if console:
-        sinks.append(console)
-    if sink is not None:
-        sinks.append(sink)
-    out = MultiSink(*sinks)
+    out = open_sinks(cfg, run_dir, sink)
 
     if "before" not in state["evals"]:
         state["evals"]["before"] = run_eval(cfg, engine, tokenizer)
         out.log(start_step, dict(state["evals"]["before"]))
     make_env = env_factory(cfg.env)
-    advantage_fn = get_advantage_fn("grpo")
-    settings = GRPOSettings(
-        clip_eps=cfg.train.clip_eps,
-        kl_coef=cfg.train.kl_coef,
-        mini_batches=cfg.train.mini_batches,
-        micro_batch_size=cfg.train.micro_batch_size,
-        max_grad_norm=cfg.train.max_grad_norm,
-        temperature=cfg.train.sampling.temperature,
-        top_p=cfg.train.sampling.top_p,
-        loss_agg=cfg.train.loss_agg,
-    )
-    gen = torch.Generator()
     for step in range(start_step + 1, cfg.train.steps + 1):
         m: dict[str, float] = {}
         # 1. rollout
@@ -214,35 +270,25 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 tokenizer,
                 seeds,
                 cfg.train.group_size,
-                _sampling(cfg, tokenizer, seed=(cfg.run.seed * 1_000_003 + step) % 2**31),
+                _sampling(cfg, tokenizer, seed=rollout_seed(cfg, step)),
                 stats,
             )
-        # 2. reward
-        rewards = torch.tensor([t.reward for t in trajs])
-        groups = torch.tensor([t.group_id for t in trajs])
-        # 3. advantages
-        adv = advantage_fn(rewards, groups, eps=cfg.train.adv_eps)
+        # 2. reward, 3. advantages
+        adv = advantages_phase(cfg, trajs)
         # 4. update
         with timed(m, "time/train_s"):
-            batch = collate(trajs, tokenizer.pad_token_id, device)
-            gen.manual_seed(cfg.run.seed * 100_003 + step)
-            m.update(grpo_update(model, optimizer, batch, adv.to(device), settings, ref_model, gen))
+            m.update(
+                update_phase(
+                    cfg, step, model, optimizer, trajs, adv, tokenizer.pad_token_id, ref_model
+                )
+            )
         # 5. weight sync
         with timed(m, "time/sync_s"):
             engine.load_weights(model.state_dict(), version=step)
         # 6. log
-        grouped = rewards.view(-1, cfg.train.group_size)
-        m.update(
-            {
-                "rollout/reward_mean": float(rewards.mean()),
-                "rollout/success_rate": float(np.mean([t.success for t in trajs])),
-                "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
-                "rollout/response_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
-                "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
-                "perf/rollout_tokens_per_s": stats.tokens_per_s,
-                "policy_version": float(engine.version),
-            }
-        )
+        m.update(rollout_metrics(trajs, cfg.train.group_size))
+        m["perf/rollout_tokens_per_s"] = stats.tokens_per_s
+        m["policy_version"] = float(engine.version)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             with timed(m, "time/eval_s"):
                 m.update(run_eval(cfg, engine, tokenizer))

@@ -9,6 +9,7 @@ identical whatever the micro-batch size (tested).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,7 +32,22 @@ class GRPOSettings:
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 
 
-def token_weights(loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
+class Collective(Protocol):
+    """What data-parallel training needs from a process group (see :mod:`gyre.distributed`).
+
+    Each rank holds a shard of the step's rows. The loss weights are fixed from *global* counts
+    (all-reduced) and the gradients are summed across ranks, so the step equals the one-process
+    step on the whole batch.
+    """
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor: ...
+
+    def sync_gradients(self, model: torch.nn.Module) -> None: ...
+
+
+def token_weights(
+    loss_mask: torch.Tensor, mode: str, comm: Collective | None = None
+) -> torch.Tensor:
     """Weights that turn a per-token loss into the step's loss by a plain weighted sum.
 
     - ``token-mean``: 1 / (loss tokens in the step) -- every token counts the same (DAPO).
@@ -41,10 +57,16 @@ def token_weights(loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
       their total weights.
     """
     if mode == "token-mean":
-        return loss_mask / loss_mask.sum().clamp(min=1)
+        count = loss_mask.sum()
+        if comm is not None:  # this rank holds a shard: divide by the step's global count
+            count = comm.all_reduce_sum(count)
+        return loss_mask / count.clamp(min=1)
     if mode == "seq-mean-token-mean":
         per_row = loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
-        return loss_mask / per_row / loss_mask.shape[0]
+        rows = torch.tensor(float(loss_mask.shape[0]))
+        if comm is not None:
+            rows = comm.all_reduce_sum(rows)
+        return loss_mask / per_row / rows
     raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
 
 
@@ -60,8 +82,13 @@ def grpo_update(
     settings: GRPOSettings,
     ref_model: torch.nn.Module | None = None,
     generator: torch.Generator | None = None,
+    comm: Collective | None = None,
 ) -> dict[str, float]:
     """One rollout batch -> ``settings.mini_batches`` optimizer steps.
+
+    With ``comm`` (data parallel) this rank's ``batch`` is its shard of the step; every rank must
+    hold as many rows so that all ranks take the same number of optimizer steps. The returned
+    metrics are this rank's; ``train/loss`` is its share of the global objective.
 
     The old log-probs are the engine's (the weights that sampled are the weights we start from,
     synced in-process), so the first mini-batch has ratio 1; later mini-batches are off-policy
@@ -86,7 +113,7 @@ def grpo_update(
         total_tokens += step_tokens
         optimizer.zero_grad(set_to_none=True)
         # Per-token weights of the whole optimizer step, fixed before the micro-batch loop.
-        weights = token_weights(mini.loss_mask, settings.loss_agg)  # (b, T)
+        weights = token_weights(mini.loss_mask, settings.loss_agg, comm)  # (b, T)
         for sl in _micro_slices(mini.input_ids.shape[0], settings.micro_batch_size):
             mb = mini.rows(sl)
             w = weights[sl, : mb.input_ids.shape[1]]
@@ -112,6 +139,8 @@ def grpo_update(
             sums["entropy"] += float(masked_token_sum(ent, mb.loss_mask))
             gap = (logp.detach() - mb.rollout_logprobs).abs()
             sums["logprob_gap"] += float(masked_token_sum(gap, mb.loss_mask))
+        if comm is not None:
+            comm.sync_gradients(model)  # sum over ranks, once per optimizer step
         grad_norms.append(
             float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
         )

@@ -58,6 +58,7 @@ class Trajectory:
     success: bool
     task_seed: int
     info: dict[str, Any] = field(default_factory=dict)
+    traj_id: str = ""  # unique in a run ("<task index>:<sample>") where a runner assigns it
 
     @property
     def num_generated(self) -> int:
