@@ -63,6 +63,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 _DIED = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
+class TrainerGroupFailed(RuntimeError):
+    """A trainer rank died; the group restarts from the latest checkpoint."""
+
+
+def _trainer_get(refs: Any) -> Any:
+    try:
+        return ray.get(refs)
+    except _DIED as exc:
+        raise TrainerGroupFailed(str(exc)) from exc
+
+
 def actor_prefix(cfg: Config) -> str:
     """Actor names of a run: ``<prefix>-rollout-<i>``, ``<prefix>-trainer-<rank>``."""
     key = hashlib.sha1(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:8]
@@ -296,11 +307,11 @@ class RayRun:
         with timed(m, "time/sync_s"):
             if self.cfg.ray.trainer.num_gpus > 0 and self.cfg.ray.strategy != "ddp":
                 refs = [t.get_weights.options(num_returns=2).remote() for t in self.trainers]
-                ray.get([b for _, b in refs])  # FSDP2: every rank takes part in the gather
+                _trainer_get([b for _, b in refs])  # FSDP2: every rank takes part in the gather
                 weights, nbytes = refs[0]
             else:
                 weights, nbytes = self.trainers[0].get_weights.options(num_returns=2).remote()
-            m["sync/bytes"] = float(ray.get(nbytes))
+            m["sync/bytes"] = float(_trainer_get(nbytes))
             self.weights_ref = weights
             loads = {
                 i: w.load_weights.remote(weights, self.version) for i, w in enumerate(self.workers)
@@ -355,8 +366,8 @@ class RayRun:
             acc["tokens"] += res["tokens"]
             acc["gen_s"] += res["seconds"]
 
-    def _train(self, step: int, groups: list[Group], out: MetricsSink) -> dict[str, float] | None:
-        """Phases 2-4 on the driver and the trainer group; None if the group failed."""
+    def _train(self, step: int, groups: list[Group]) -> dict[str, float]:
+        """Phases 2-4 on the driver and the trainer group."""
         trajs = [t for g in groups for t in g.trajs]
         adv = advantages_phase(self.cfg, trajs)
         M = self.cfg.ray.trainer_ranks
@@ -367,11 +378,7 @@ class RayRun:
             t.update.remote(step, trajs[r * rows : (r + 1) * rows], adv[r * rows : (r + 1) * rows])
             for r, t in enumerate(self.trainers)
         ]
-        try:
-            return _combine(ray.get(refs))
-        except _DIED as exc:
-            self._restart_trainers(exc, out)
-            return None
+        return _combine(_trainer_get(refs))
 
     def _log_trajectories(self, step: int, trained: list[Group], dropped: list[Group]) -> None:
         with self.traj_log.open("a") as f:
@@ -396,7 +403,7 @@ class RayRun:
             "policy_version": self.version,
             "counters": self.counters,
         }
-        ray.get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
+        _trainer_get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, out: MetricsSink, resume_from: Path | None) -> dict[str, Any]:
@@ -427,15 +434,16 @@ class RayRun:
                 continue
             step = self.step + 1
             m: dict[str, float] = {}
-            with timed(m, "time/train_s"):
-                train_m = self._train(step, batch, out)
-            if train_m is None:  # the trainer group was restarted from a checkpoint
+            try:
+                with timed(m, "time/train_s"):
+                    m.update(self._train(step, batch))
+                self.version = step
+                self.step = step
+                self._sync_weights(m, out, wait=cfg.ray.mode == "sync")
+            except TrainerGroupFailed as exc:
+                self._restart_trainers(exc, out)  # back to the latest checkpoint's step
                 acc = {"tokens": 0.0, "gen_s": 0.0}
                 continue
-            m.update(train_m)
-            self.version = step
-            self.step = step
-            self._sync_weights(m, out, wait=cfg.ray.mode == "sync")
             trajs = [t for g in batch for t in g.trajs]
             staleness = np.array([step - 1 - t.policy_version for t in trajs], dtype=float)
             self._log_trajectories(step, batch, stale)
@@ -464,7 +472,10 @@ class RayRun:
                     m.update(self._evaluate(out))
             out.log(step, m)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                self._checkpoint(step)
+                try:
+                    self._checkpoint(step)
+                except TrainerGroupFailed as exc:
+                    self._restart_trainers(exc, out)
         for ref in list(self.pending):  # shares generated ahead of the last step: not trained
             ray.cancel(ref)
         self.pending.clear()
@@ -474,7 +485,7 @@ class RayRun:
         out.log(cfg.train.steps, dict(after))
         if not cfg.checkpoint.every or cfg.train.steps % cfg.checkpoint.every:
             self._checkpoint(cfg.train.steps)
-        ray.get(self.trainers[0].save_final.remote(str(self.run_dir / "final")))
+        _trainer_get(self.trainers[0].save_final.remote(str(self.run_dir / "final")))
         return {"before": self.evals["before"], "after": after}
 
     def shutdown(self) -> None:
