@@ -3,6 +3,7 @@
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
     gyre eval  [CONFIG.yaml] [key=value ...]   evaluate model.path on held-out seeds
+    gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
 
 With no config file the built-in maze default is used. Keys are dotted config paths, e.g.
 ``run.dir=runs/x train.steps=20 model.path=/models/my-llm``; ``--help-config`` lists them all.
@@ -14,6 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from gyre.config import Config, ConfigError, describe_fields, load_config
 
@@ -40,7 +42,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "  gyre eval model.path=runs/a/final eval.episodes=500",
     )
     parser.add_argument("--help-config", action="store_true", help="list every config key")
-    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,submit}")
     helps = {
         "train": "SFT warm start (if sft.steps > 0) then GRPO; the default runs the maze demo",
         "sft": "supervised warm start only; writes <run.dir>/sft/",
@@ -55,6 +57,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    _add_submit(sub)
     ns = parser.parse_args(argv)
     if ns.help_config:
         print("\n".join(describe_fields()))
@@ -67,6 +70,43 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     if args and "=" not in args[0]:
         path = args.pop(0)
     return ns, load_config(path, args)
+
+
+def _add_submit(sub: Any) -> None:
+    text = "submit `gyre train` to a Ray cluster through the Ray Jobs API (needs gyre[ray])"
+    p = sub.add_parser(
+        "submit",
+        help=text,
+        description=text + ".",
+        epilog=_KEYS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    p.add_argument("--address", required=True, help="Ray dashboard address, http://HEAD:8265")
+    p.add_argument("--working-dir", default=".", help="uploaded as the job's working dir")
+    p.add_argument("--pip", action="append", default=[], help="pip package for the job's env")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for the job",
+    )
+    p.add_argument("--python", default="python", help="interpreter on the cluster")
+    p.add_argument("--no-follow", action="store_true", help="return after submitting")
+
+
+def _submit(ns: argparse.Namespace) -> int:
+    from gyre.runners.ray_submit import submit
+
+    args = list(ns.args)
+    config = args.pop(0) if args and "=" not in args[0] else None
+    env = dict(e.split("=", 1) for e in ns.env)
+    job_id, status = submit(
+        ns.address, config, args, ns.working_dir, not ns.no_follow, ns.pip, env, ns.python
+    )
+    print(f"job {job_id}: {status}")
+    return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
 
 
 def _table(rows: list[tuple[str, dict]]) -> str:
@@ -97,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     from gyre import loop
 
     try:
+        if ns.command == "submit":
+            return _submit(ns)
         if ns.command == "train":
             s = loop.train(cfg)
             console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
@@ -117,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             res = loop.run_eval(cfg, TorchEngine(model, tok.pad_token_id, cfg.run.seed), tok)
             (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
             console.print(_table([(cfg.model.path, res)]))
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
         print(f"gyre: error: {exc}", file=sys.stderr)
         return 1
     return 0
