@@ -46,5 +46,5 @@ def test_placement_bundles_colocated_and_disaggregated():
     bundles, rb, tb = placement_bundles(load_config(None, base))
     assert bundles == [{"CPU": 1.0, "GPU": 0.5}] * 2 + [{"CPU": 2.0, "GPU": 0.5}] * 2
     assert rb == [0, 1] and tb == [2, 3]
-    with pytest.raises(ValueError, match="ray.rollout reserves nothing"):
+    with pytest.raises(ValueError, match=r"ray\.rollout reserves nothing"):
         placement_bundles(load_config(None, ["runner=ray", "ray.rollout.num_cpus=0"]))
