@@ -187,6 +187,8 @@ def test_killed_rollout_worker_is_replaced_and_no_trajectory_is_lost(
     assert [r["step"] for r in _metrics(d) if "train/loss" in r] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GYRE_SLOW") != "1", reason="slow: set GYRE_SLOW=1")
 def test_trainer_failure_restarts_from_checkpoint(ray_cluster, warm_model, tmp_path):
     from gyre.runners.ray_runner import actor_prefix
 
