@@ -102,13 +102,14 @@ def _expected_ids(steps: int) -> list[str]:
 @pytest.fixture(scope="module")
 def sync_run(ray_cluster, warm_model, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("sync")
-    loop.train(_cfg(d, warm_model, f"ray.tasks_per_share={TASKS}"))
+    loop.train(_cfg(d, warm_model, f"ray.tasks_per_share={TASKS}", "ray.placement=colocated"))
     return d
 
 
 def test_sync_ray_run_matches_local_runner(sync_run, warm_model, tmp_path):
-    """One share per step (the two workers take turns): the engine batch, its seed and the
-    update are those of the local runner, so every metric and the final weights are equal."""
+    """One share per step (the two workers take turns; colocated with the trainer): the engine
+    batch, its seed and the update are those of the local runner, so every metric and the final
+    weights are equal."""
     import torch
     from safetensors.torch import load_file
 
@@ -139,8 +140,11 @@ def test_async_max_staleness_0_is_sync(sync_run, warm_model, tmp_path):
 
 
 def test_async_max_staleness_1_trains_and_drops_nothing(ray_cluster, warm_model, tmp_path):
+    """Two rollout workers, two gloo trainer ranks, generation one batch ahead."""
     d = tmp_path / "a1"
-    s = loop.train(_cfg(d, warm_model, "ray.mode=async", "ray.max_staleness=1"))
+    s = loop.train(
+        _cfg(d, warm_model, "ray.mode=async", "ray.max_staleness=1", "ray.trainer_ranks=2")
+    )
     steps = [r for r in _metrics(d) if "train/loss" in r]
     assert len(steps) == STEPS
     assert all(r["async/dropped_total"] == 0 for r in steps)
