@@ -48,3 +48,12 @@ def test_placement_bundles_colocated_and_disaggregated():
     assert rb == [0, 1] and tb == [2, 3]
     with pytest.raises(ValueError, match=r"ray\.rollout reserves nothing"):
         placement_bundles(load_config(None, ["runner=ray", "ray.rollout.num_cpus=0"]))
+
+
+def test_runner_ray_without_ray_names_the_extra(monkeypatch, tmp_path):
+    from gyre import loop
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
+    cfg = load_config(None, ["runner=ray", f"run.dir={tmp_path}", "sft.steps=0"])
+    with pytest.raises(ImportError, match=r"pip install 'gyre\[ray\]'"):
+        loop.train(cfg)
