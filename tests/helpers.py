@@ -97,10 +97,11 @@ def dp_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> N
     copy of the model on this rank's shard (its own micro-batch size) and save the weights."""
     import torch.distributed as dist
 
+    from gyre.algos import LOSS_AGGREGATIONS
     from gyre.distributed import TorchCollective
     from gyre.model import load_pretrained
     from gyre.policy import collate
-    from gyre.trainer import LOSS_AGGREGATIONS, GRPOSettings, grpo_update
+    from gyre.update import GRPOSettings, policy_update
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -115,7 +116,8 @@ def dp_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> N
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         settings = GRPOSettings(micro_batch_size=1 + rank, loss_agg=agg, max_grad_norm=1e9)
         batch = collate(trajs[sl], 0, torch.device("cpu"))
-        grpo_update(model, opt, batch, adv[sl], settings, comm=comm)
+        policy_update(model, opt, batch, adv[sl], settings, reduce_counts=comm.reduce_counts,
+                      sync_grads=comm.sync_gradients)  # fmt: skip
         if rank == 0:
             torch.save(model.state_dict(), f"{out_dir}/dp-{agg}.pt")
     dist.destroy_process_group()

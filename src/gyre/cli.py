@@ -1,8 +1,9 @@
-"""``gyre``: train | sft | eval.
+"""``gyre``: train | sft | eval | report.
 
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
     gyre eval  [CONFIG.yaml] [key=value ...]   evaluate model.path on held-out seeds
+    gyre report RUN_DIR [--out FILE] [--watch]  HTML report of a finished or running run
     gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
 
 With no config file the built-in maze default is used. Keys are dotted config paths, e.g.
@@ -42,7 +43,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "  gyre eval model.path=runs/a/final eval.episodes=500",
     )
     parser.add_argument("--help-config", action="store_true", help="list every config key")
-    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,submit}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,report,submit}")
     helps = {
         "train": "SFT warm start (if sft.steps > 0) then GRPO; the default runs the maze demo",
         "sft": "supervised warm start only; writes <run.dir>/sft/",
@@ -57,6 +58,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
     _add_submit(sub)
     ns = parser.parse_args(argv)
     if ns.help_config:
@@ -126,8 +128,13 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # takes a run dir, not config keys: its own parser
+        from gyre.telemetry.report import main as report_main
+
+        return report_main(argv[1:])
     try:
-        ns, cfg = _parse(sys.argv[1:] if argv is None else argv)
+        ns, cfg = _parse(argv)
     except ConfigError as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2

@@ -78,11 +78,29 @@ class ArithmeticConfig(_Section):
     ops: str = Field("+-", min_length=1, description="Operators to draw from, e.g. '+-*'.")
 
 
+class DatasetConfig(_Section):
+    path: str = Field(
+        "", description="JSONL file, one task a line: {\"prompt\": ..., \"answer\": ..., ...}."
+    )
+    prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
+    answer_field: str = Field(
+        "answer", min_length=1, description="Row key holding the reference answer."
+    )
+    eval_rows: int = Field(
+        0, ge=0, description="Last N rows are held out for evaluation; 0 evaluates on all rows."
+    )
+
+
 class EnvConfig(_Section):
-    name: Literal["maze", "arithmetic"] = Field("maze", description="Which built-in environment.")
+    name: Literal["maze", "arithmetic", "dataset"] = Field(
+        "maze", description="Which built-in environment."
+    )
     maze: MazeConfig = Field(default_factory=MazeConfig, description="Maze settings.")
     arithmetic: ArithmeticConfig = Field(
         default_factory=ArithmeticConfig, description="Arithmetic settings."
+    )
+    dataset: DatasetConfig = Field(
+        default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
     )
 
 
@@ -103,6 +121,83 @@ class SFTConfig(_Section):
     )
 
 
+class AlgoConfig(_Section):
+    """The RL algorithm beyond GRPO's defaults; every formula is in docs/algorithms.md."""
+
+    advantage: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"
+    ] = Field("grpo", description="Advantage estimator (verl: adv_estimator).")
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "reinforce"] = Field(
+        "ppo_clip", description="Per-token policy loss; gspo wants clip_eps ~3e-4."
+    )
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="Upper clip eps (DAPO clip-higher 0.28); null = train.clip_eps."
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip c for negative advantages (3 is usual); null = off."
+    )
+    kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator (k3 clamped to [-10, 10]); coefficient is train.kl_coef."
+    )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="Apply the KL penalty as a loss term or subtract it from the reward."
+    )
+    entropy_coef: float = Field(0.0, description="Entropy bonus: loss -= coef * entropy.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    mini_batch_size: int = Field(
+        0, ge=0, description="Trajectories per optimizer step; 0 uses train.mini_batches."
+    )
+    loss_norm_len: int = Field(
+        0, ge=0, description="L of seq-mean-token-sum-norm; 0 = the step's longest row."
+    )
+    old_logprobs: Literal["auto", "recompute", "current", "rollout"] = Field(
+        "auto",
+        description="Old policy of the ratio: auto = trainer recompute when >1 update per batch, "
+        "else current detached; rollout = engine log-probs.",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (reinforce_pp, gae).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    value_model: Literal["critic", "head"] = Field(
+        "critic", description="gae: a separate critic, or a value head on the policy."
+    )
+    critic_lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the value model.")
+    vf_coef: float = Field(0.5, ge=0, description="Value-loss coefficient.")
+    value_clip: float = Field(0.2, gt=0, description="Clip range of the clipped value loss.")
+    rollout_is: Literal["none", "truncate", "mask"] = Field(
+        "none", description="Rollout importance sampling: truncated (TIS) or masked (MIS)."
+    )
+    rollout_is_level: Literal["token", "sequence"] = Field(
+        "token", description="IS weight per token or per sequence (product of token ratios)."
+    )
+    rollout_is_threshold: float = Field(
+        2.0, gt=1, description="TIS cap C / MIS upper bound on pi_old_train / pi_rollout."
+    )
+    rollout_is_threshold_lower: float = Field(
+        0.0, ge=0, lt=1, description="MIS lower bound; 0 = 1 / rollout_is_threshold."
+    )
+
+
+class DapoConfig(_Section):
+    """DAPO's sampling-side parts (arXiv:2503.14476); clip-higher is train.algo.clip_eps_high."""
+
+    dynamic_sampling: bool = Field(
+        False, description="Drop zero-reward-variance groups and sample more tasks to refill."
+    )
+    max_rounds: int = Field(
+        4, gt=0, description="Most rollout rounds per step when refilling the batch."
+    )
+    overlong_buffer_len: int = Field(
+        0, ge=0, description="Soft overlong punishment buffer in policy tokens; 0 = off."
+    )
+    overlong_max_len: int = Field(
+        0, ge=0, description="L_max in policy tokens per episode; 0 = max_new_tokens."
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Largest overlong penalty.")
+    mask_truncated: bool = Field(
+        False, description="Drop from the loss episodes whose last turn hit max_new_tokens."
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(60, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
@@ -114,9 +209,12 @@ class TrainConfig(_Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient; 0 loads no ref.")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon in the group std normalisation.")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = Field(
         "seq-mean-token-mean",
-        description="How token losses combine: per token, or per sequence then averaged.",
+        description="How token losses combine: per token, or per sequence then averaged "
+        "(docs/algorithms.md).",
     )
     mini_batches: int = Field(
         4, gt=0, description="Optimizer steps per rollout batch (PPO mini-batches)."
@@ -127,6 +225,14 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig, description="Rollout sampling parameters."
+    )
+    algo: AlgoConfig = Field(
+        default_factory=AlgoConfig,
+        description="Estimator, policy loss, KL, epochs, off-policy correction.",
+    )
+    dapo: DapoConfig = Field(
+        default_factory=DapoConfig,
+        description="DAPO dynamic sampling and overlong handling.",
     )
 
 
@@ -224,6 +330,93 @@ class RayConfig(_Section):
         return v
 
 
+class RewardFnConfig(_Section):
+    fn: str = Field(description="Import path 'module:function' of a batched reward function.")
+    name: str = Field("", description="Metric name (reward/<name>_mean); default: function name.")
+    weight: float = Field(1.0, description="Weight of this term in the total reward.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments passed on every call."
+    )
+    sandbox: bool = Field(
+        False, description="Run in the sandbox (subprocess, time/memory limits, no network)."
+    )
+
+    @field_validator("fn")
+    @classmethod
+    def _import_path(cls, v: str) -> str:
+        mod, sep, attr = v.partition(":")
+        if not sep or not mod.strip() or not attr.strip():
+            raise ValueError(f"expected 'module:function', got {v!r}")
+        return v
+
+
+class SandboxConfig(_Section):
+    timeout_s: float = Field(10.0, gt=0, description="Wall-time limit of one sandboxed call.")
+    memory_mb: int = Field(
+        1024, ge=64, description="Address-space limit (RLIMIT_AS) of a sandbox worker, in MiB."
+    )
+    network: Literal["deny", "allow"] = Field(
+        "deny",
+        description="deny: a new user+network namespace (no interfaces); fails loudly if the "
+        "kernel refuses. allow: no network isolation.",
+    )
+    workers: int = Field(2, gt=0, description="Worker processes, reused across calls.")
+    failure_reward: float = Field(0.0, description="Reward given to a sample whose call failed.")
+    max_failure_frac: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run when more than this fraction of a step's sandboxed calls fail.",
+    )
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFnConfig] = Field(
+        default_factory=list,
+        description="Reward functions, each {fn: 'module:function', name, weight, kwargs, "
+        "sandbox}; empty uses the env's own reward exactly.",
+    )
+    env_weight: float = Field(
+        1.0, description="Weight of the env's reward (the term 'env') when functions are set."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Limits for functions with sandbox: true."
+    )
+
+
+class TelemetryConfig(_Section):
+    tensorboard: bool = Field(False, description="Write TensorBoard event files to <run.dir>/tb.")
+    prometheus_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics on this port (0: any free port); None: no exporter.",
+    )
+    prometheus_host: str = Field(
+        "127.0.0.1", description="Address the Prometheus exporter binds (loopback by default)."
+    )
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs gyre[wandb]).")
+    wandb_project: str = Field("gyre", description="wandb project name.")
+    mlflow: bool = Field(False, description="Log to MLflow (needs gyre[mlflow]).")
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow tracking URI; empty uses MLflow's default (MLFLOW_TRACKING_URI)."
+    )
+    samples: float = Field(
+        0.0625,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of each step's trajectories written to <run.dir>/samples.jsonl.",
+    )
+
+    @field_validator("prometheus_port", mode="before")
+    @classmethod
+    def _port_off(cls, v: Any) -> Any:
+        # 'off', 'none' or 'null' on the command line (or `off` in YAML, read as False) disable it.
+        if v is False or (isinstance(v, str) and v.strip().lower() in ("off", "none", "null", "")):
+            return None
+        return v
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
@@ -235,6 +428,12 @@ class Config(_Section):
         default_factory=CheckpointConfig, description="Checkpointing."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")
+    telemetry: TelemetryConfig = Field(
+        default_factory=TelemetryConfig, description="Metric sinks, exporter and samples."
+    )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="Reward functions beyond the env's reward."
+    )
     runner: Literal["local", "ray"] = Field(
         "local", description="local: one process; ray: rollout and trainer actors on Ray."
     )
@@ -267,12 +466,22 @@ def check_ray_config(cfg: Config) -> None:
         raise ValueError(
             f"ray.tasks_per_share={share} must divide train.tasks_per_step={t.tasks_per_step}"
         )
-    rows = t.tasks_per_step * t.group_size
-    if rows % r.trainer_ranks:
+    if t.tasks_per_step % r.trainer_ranks:
         raise ValueError(
-            f"ray.trainer_ranks={r.trainer_ranks} must divide the batch of "
-            f"train.tasks_per_step x train.group_size = {rows} trajectories"
+            f"ray.trainer_ranks={r.trainer_ranks} must divide "
+            f"train.tasks_per_step={t.tasks_per_step} (every rank trains whole groups)"
         )
+    if t.algo.advantage == "gae":
+        raise ValueError("train.algo.advantage='gae' is not supported with runner=ray yet")
+    if t.algo.advantage.startswith("reinforce_pp") and r.trainer_ranks > 1:
+        raise ValueError(
+            f"train.algo.advantage={t.algo.advantage!r} whitens over the whole batch; with "
+            "runner=ray it needs ray.trainer_ranks=1"
+        )
+    if t.dapo.dynamic_sampling:
+        raise ValueError("train.dapo.dynamic_sampling is not supported with runner=ray yet")
+    if cfg.reward.functions:
+        raise ValueError("reward.functions are not supported with runner=ray yet")
 
 
 def tasks_per_share(tasks_per_step: int, workers: int) -> int:
@@ -327,7 +536,10 @@ def _describe(errors: ValidationError, tree: dict[str, Any]) -> str:
         key = ".".join(loc)
         node: Any = tree
         for p in loc:
-            node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
+            if isinstance(node, list) and p.isdigit() and int(p) < len(node):
+                node = node[int(p)]  # list items, e.g. reward.functions.0.fn
+            else:
+                node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown config key '{key}' (value {node!r})")
         else:

@@ -3,12 +3,13 @@
 Why not wrap the model in ``DistributedDataParallel``: DDP all-reduces on every ``backward``, so
 every rank must run the same number of micro-batches, and it averages gradients, which is only
 right when every rank's loss is normalised by its *own* count. gyre's loss is normalised by the
-step's *global* token (or row) count, fixed before the micro-batch loop (``trainer.token_weights``
-with a :class:`TorchCollective`), so the per-rank gradients must be **summed**, once per
-optimizer step. That is what :meth:`TorchCollective.sync_gradients` does: the same all-reduce DDP
-performs, done once after the micro-batch loop (bucketed into one flat tensor), and it keeps ranks
-with unequal micro-batch counts from deadlocking. Parameters start equal on every rank
-(:meth:`TorchCollective.broadcast_parameters`, as DDP does at construction).
+step's *global* token (or row) count, fixed before the micro-batch loop
+(``policy_update(reduce_counts=...)`` with :meth:`TorchCollective.reduce_counts`), so the
+per-rank gradients must be **summed**, once per optimizer step. That is what
+:meth:`TorchCollective.sync_gradients` does (``policy_update(sync_grads=...)``): the same
+all-reduce DDP performs, done once after the micro-batch loop (bucketed into one flat tensor), and
+it keeps ranks with unequal micro-batch counts from deadlocking. Parameters start equal on every
+rank (:meth:`TorchCollective.broadcast_parameters`, as DDP does at construction).
 
 On GPU, ``strategy: fsdp2`` shards parameters with ``torch.distributed.fsdp.fully_shard``;
 FSDP2 reduce-scatters gradients *averaged* over ranks inside backward, so
@@ -24,6 +25,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from gyre.algos.aggregate import StepCounts
+
 
 class TorchCollective:
     """Gradient sum + global counts over the default process group (gloo on CPU, nccl on GPU)."""
@@ -38,6 +41,14 @@ class TorchCollective:
         out = value.detach().clone().float()
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
+
+    def reduce_counts(self, counts: StepCounts) -> StepCounts:
+        """This rank's step counts -> the whole step's (tokens and rows summed, the longest row
+        of ``seq-mean-token-sum-norm`` maxed): ``policy_update(reduce_counts=...)``."""
+        sums = self.all_reduce_sum(torch.tensor([counts.tokens, counts.rows]))
+        longest = torch.tensor([counts.norm_len], dtype=torch.float32)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        return StepCounts(float(sums[0]), float(sums[1]), float(longest[0]))
 
     def sync_gradients(self, model: torch.nn.Module) -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -72,6 +83,12 @@ class FSDPCollective(TorchCollective):
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         # Dividing the loss weights by (global count / W) makes the averaged gradient the sum.
         return (out / self.world_size).cpu()
+
+    def reduce_counts(self, counts: StepCounts) -> StepCounts:
+        sums = self.all_reduce_sum(torch.tensor([counts.tokens, counts.rows]))
+        longest = torch.tensor([counts.norm_len], device=torch.cuda.current_device())
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        return StepCounts(float(sums[0]), float(sums[1]), float(longest[0]))
 
     def sync_gradients(self, model: torch.nn.Module) -> None:
         return  # done inside backward by FSDP2's reduce-scatter

@@ -4,11 +4,12 @@
 -> evaluate -> write ``final/``. One GRPO step is seven numbered phases, each one call:
 
     1. rollout     env x engine episodes for ``tasks_per_step`` tasks x ``group_size`` samples
-    2. reward      the env's sparse reward, summed per episode
-    3. advantages  group-relative (GRPO)
-    4. update      PPO-clip on the policy's tokens, optional k3 KL to a frozen reference
+    2. reward      the env's sparse reward, summed per episode, plus any configured reward
+                   functions (gyre.rewards: weighted, sandboxed if asked)
+    3. advantages  the named estimator (GRPO by default; docs/algorithms.md)
+    4. update      the named policy loss (PPO-clip by default), optional KL to a frozen reference
     5. sync        copy the new weights into the engine (in process), version-stamped
-    6. log         metrics to every sink (console, JSONL), periodic held-out eval
+    6. log         metrics to every sink (console, JSONL, telemetry.*), samples, periodic eval
     7. checkpoint  every ``checkpoint.every`` steps
 """
 
@@ -20,24 +21,30 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gyre.algos import get_advantage_fn
 from gyre.checkpoint import find_resume, list_checkpoints, load_checkpoint_state, save_checkpoint
 from gyre.config import Config, dump_config, resolve_run_dir
+from gyre.critic import ValueModel
+from gyre.dapo import apply_overlong, sample_groups
 from gyre.engines import TorchEngine
 from gyre.envs import env_factory
+from gyre.envs.base import Env
 from gyre.evaluate import evaluate, train_seed
 from gyre.model import create_tiny_checkpoint, load_pretrained, resolve_device
 from gyre.policy import collate
+from gyre.rewards import build_rewarder
 from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
-from gyre.trainer import GRPOSettings, grpo_update, sft_step
+from gyre.telemetry.factory import build_telemetry
+from gyre.trainer import sft_step
 from gyre.types import SamplingParams, Trajectory
+from gyre.update import batch_advantages, policy_update, prepare_batch, settings_from_config
 
 STREAM_SFT, STREAM_GRPO = 1, 2
 
@@ -144,30 +151,10 @@ def run_sft(cfg: Config, run_dir: Path, device: torch.device, base: Path) -> Pat
     return out_dir
 
 
-# -- phases shared by every runner (the Ray runner calls these from its actors / driver) -------
-def rollout_seed(cfg: Config, step: int) -> int:
-    """The sampler seed of GRPO step ``step`` (1-based)."""
-    return (cfg.run.seed * 1_000_003 + step) % 2**31
-
-
-def grpo_settings(cfg: Config) -> GRPOSettings:
-    return GRPOSettings(
-        clip_eps=cfg.train.clip_eps,
-        kl_coef=cfg.train.kl_coef,
-        mini_batches=cfg.train.mini_batches,
-        micro_batch_size=cfg.train.micro_batch_size,
-        max_grad_norm=cfg.train.max_grad_norm,
-        temperature=cfg.train.sampling.temperature,
-        top_p=cfg.train.sampling.top_p,
-        loss_agg=cfg.train.loss_agg,
-    )
-
-
-def advantages_phase(cfg: Config, trajs: list[Trajectory]) -> torch.Tensor:
-    """Phases 2-3: episode rewards -> group-relative advantages, (N,)."""
-    rewards = torch.tensor([t.reward for t in trajs])
-    groups = torch.tensor([t.group_id for t in trajs])
-    return get_advantage_fn("grpo")(rewards, groups, eps=cfg.train.adv_eps)
+# -- phases shared by every runner (the Ray runner calls these from its actors and driver) ------
+def rollout_seed(cfg: Config, step: int, round_: int = 0) -> int:
+    """The sampler seed of GRPO step ``step`` (1-based), rollout round ``round_``."""
+    return (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
 
 
 def update_phase(
@@ -176,18 +163,40 @@ def update_phase(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trajs: list[Trajectory],
-    adv: torch.Tensor,
     pad_token_id: int,
     ref_model: torch.nn.Module | None,
+    value_model: ValueModel | None = None,
+    metrics: dict[str, float] | None = None,
     comm: Any = None,
 ) -> dict[str, float]:
-    """Phase 4: collate and update. Under data parallelism ``trajs`` is this rank's shard."""
+    """Phases 3-4: collate, (DAPO overlong shaping,) advantages and the policy update.
+
+    Under data parallelism ``trajs`` is this rank's shard of whole groups and ``comm`` (see
+    ``gyre.distributed``) makes the loss weights global and sums the gradients over ranks.
+    """
+    m = {} if metrics is None else metrics
     device = next(model.parameters()).device
+    algo, settings = cfg.train.algo, settings_from_config(cfg.train)
+    rewards = torch.tensor([t.reward for t in trajs])
+    groups = torch.tensor([t.group_id for t in trajs])
     batch = collate(trajs, pad_token_id, device)
+    shaped = apply_overlong(rewards, trajs, batch, cfg.train.dapo, cfg.train.sampling, m)
+    m.update(prepare_batch(model, batch, settings, ref_model, value_model))
+    adv, adv_m = batch_advantages(
+        algo.advantage, shaped, groups, batch, settings,
+        eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
+    )  # fmt: skip
+    m.update(adv_m)
     gen = torch.Generator()
     gen.manual_seed(cfg.run.seed * 100_003 + step)
-    settings = grpo_settings(cfg)
-    return grpo_update(model, optimizer, batch, adv.to(device), settings, ref_model, gen, comm)
+    reduce_counts = comm.reduce_counts if comm is not None else None
+    sync_grads = comm.sync_gradients if comm is not None else None
+    upd = policy_update(
+        model, optimizer, batch, adv, settings, ref_model, gen, value_model,
+        reduce_counts=reduce_counts, sync_grads=sync_grads,
+    )  # fmt: skip
+    m.update(upd)
+    return m
 
 
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
@@ -203,15 +212,43 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
     }
 
 
-def open_sinks(cfg: Config, run_dir: Path, sink: MetricsSink | None = None) -> MultiSink:
-    """metrics.jsonl, the console (unless off) and an optional caller's sink."""
-    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
-    console = _console(cfg, cfg.train.steps, "GRPO")
-    if console:
-        sinks.append(console)
-    if sink is not None:
-        sinks.append(sink)
-    return MultiSink(*sinks)
+def _task_rollout(
+    cfg: Config,
+    state: dict[str, Any],
+    make_env: Callable[[], Env],
+    engine: TorchEngine,
+    tokenizer: Any,
+    step: int,
+    stats: RolloutStats,
+) -> Callable[[int, int], list[Trajectory]]:
+    """``generate(n_tasks, round)``: play ``group_size`` episodes of the next ``n_tasks`` training
+    tasks (advancing the data cursor). Round 0 uses the step's sampling seed as before."""
+
+    def generate(n_tasks: int, round_: int) -> list[Trajectory]:
+        seeds = [train_seed(cfg.run.seed, STREAM_GRPO, state["cursor"] + k) for k in range(n_tasks)]
+        state["cursor"] += n_tasks
+        params = _sampling(cfg, tokenizer, seed=rollout_seed(cfg, step, round_))
+        return run_episodes(make_env, engine, tokenizer, seeds, cfg.train.group_size, params, stats)
+
+    return generate
+
+
+def _scored_rounds(
+    generate: Callable[[int, int], list[Trajectory]],
+    rewarder: Any,
+    tokenizer: Any,
+    step: int,
+    metrics: dict[str, float],
+) -> Callable[[int, int], list[Trajectory]]:
+    """Wrap a rollout round so its trajectories get their final (reward-function) reward."""
+
+    def play(n: int, rnd: int) -> list[Trajectory]:
+        out = generate(n, rnd)
+        with timed(metrics, "time/reward_s"):
+            metrics.update(rewarder.score(out, tokenizer, step))
+        return out
+
+    return play
 
 
 def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
@@ -222,6 +259,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         return get_runner(cfg.runner)(cfg, sink)
     t_start = time.perf_counter()
     run_dir, device = setup(cfg, fresh_check=True)
+    # Built before any training so a bad reward config or a sandbox that cannot isolate fails now.
+    rewarder = build_rewarder(cfg.reward, run_dir / "reward_failures.jsonl")
     resume_from = find_resume(run_dir, cfg.run.resume)
     state: dict[str, Any] = {"cursor": 0, "evals": {}}
     if resume_from is not None:
@@ -248,40 +287,47 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         start_step = int(state["step"])
         engine.version = int(state.get("policy_version", start_step))
 
-    out = open_sinks(cfg, run_dir, sink)
+    out = build_telemetry(cfg, run_dir, tokenizer, extra=sink)  # telemetry.*: jsonl, tb, ...
 
     if "before" not in state["evals"]:
         state["evals"]["before"] = run_eval(cfg, engine, tokenizer)
         out.log(start_step, dict(state["evals"]["before"]))
     make_env = env_factory(cfg.env)
+    algo, dapo = cfg.train.algo, cfg.train.dapo
+    value_model = None
+    if algo.advantage == "gae":
+        value_model = ValueModel(model, algo.value_model, algo.critic_lr)
+        if resume_from is not None:
+            value_model.load(resume_from)
     for step in range(start_step + 1, cfg.train.steps + 1):
         m: dict[str, float] = {}
-        # 1. rollout
-        seeds = [
-            train_seed(cfg.run.seed, STREAM_GRPO, state["cursor"] + k)
-            for k in range(cfg.train.tasks_per_step)
-        ]
-        state["cursor"] += cfg.train.tasks_per_step
+        # 1. rollout (with DAPO dynamic sampling: more rounds until the groups have variance)
         stats = RolloutStats()
         with timed(m, "time/rollout_s"):
-            trajs = run_episodes(
-                make_env,
-                engine,
-                tokenizer,
-                seeds,
-                cfg.train.group_size,
-                _sampling(cfg, tokenizer, seed=rollout_seed(cfg, step)),
-                stats,
-            )
-        # 2. reward, 3. advantages
-        adv = advantages_phase(cfg, trajs)
-        # 4. update
+            generate = _task_rollout(cfg, state, make_env, engine, tokenizer, step, stats)
+            # Dynamic sampling filters on the final reward, so each round is scored as it
+            # comes back (phase 2 then has nothing left to do).
+            score_rounds = rewarder is not None and dapo.dynamic_sampling
+            reward_m: dict[str, float] = {}
+            if score_rounds:
+                generate = _scored_rounds(generate, rewarder, tokenizer, step, reward_m)
+            trajs, dapo_m = sample_groups(
+                generate, cfg.train.tasks_per_step, dynamic=dapo.dynamic_sampling,
+                max_rounds=dapo.max_rounds,
+            )  # fmt: skip
+        m.update(dapo_m)
+        # 2. reward
+        if rewarder is not None and not score_rounds:  # t.reward becomes the weighted total
+            with timed(m, "time/reward_s"):
+                m.update(rewarder.score(trajs, tokenizer, step))
+        m.update(reward_m)
         with timed(m, "time/train_s"):
-            m.update(
-                update_phase(
-                    cfg, step, model, optimizer, trajs, adv, tokenizer.pad_token_id, ref_model
-                )
-            )
+            # 3. advantages (after DAPO's overlong shaping / truncation masking, if enabled)
+            # 4. update
+            update_phase(
+                cfg, step, model, optimizer, trajs, tokenizer.pad_token_id, ref_model,
+                value_model, metrics=m,
+            )  # fmt: skip
         # 5. weight sync
         with timed(m, "time/sync_s"):
             engine.load_weights(model.state_dict(), version=step)
@@ -289,13 +335,14 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         m.update(rollout_metrics(trajs, cfg.train.group_size))
         m["perf/rollout_tokens_per_s"] = stats.tokens_per_s
         m["policy_version"] = float(engine.version)
+        out.trajectories(step, trajs)  # samples.jsonl, per-episode histograms
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             with timed(m, "time/eval_s"):
                 m.update(run_eval(cfg, engine, tokenizer))
         out.log(step, m)
         # 7. checkpoint
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            save_checkpoint(
+            ckpt = save_checkpoint(
                 run_dir,
                 step,
                 model,
@@ -304,6 +351,8 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
                 {**state, "policy_version": engine.version},
                 cfg.checkpoint.keep,
             )
+            if value_model is not None:
+                value_model.save(ckpt)
 
     after = run_eval(cfg, engine, tokenizer)
     state["evals"]["after"] = after
@@ -311,7 +360,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     if cfg.train.steps > start_step and (
         not cfg.checkpoint.every or cfg.train.steps % cfg.checkpoint.every
     ):
-        save_checkpoint(
+        ckpt = save_checkpoint(
             run_dir,
             cfg.train.steps,
             model,
@@ -320,12 +369,16 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
             {**state, "policy_version": engine.version},
             cfg.checkpoint.keep,
         )
+        if value_model is not None:
+            value_model.save(ckpt)
     final = run_dir / "final"
     if final.exists():
         shutil.rmtree(final)
     model.save_pretrained(final)
     tokenizer.save_pretrained(final)
     out.close()
+    if rewarder is not None:
+        rewarder.close()
     summary = {
         "run_dir": str(run_dir),
         "steps": cfg.train.steps,

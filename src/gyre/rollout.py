@@ -81,6 +81,7 @@ def run_episodes(
     reward = [0.0] * n
     turns = [0] * n
     infos: list[dict] = [{} for _ in range(n)]
+    truncated = [False] * n
     active = list(range(n))
     gen_tokens = 0
     while active:
@@ -94,6 +95,7 @@ def run_episodes(
             mask[i].extend([1] * len(out.token_ids))
             lps[i].extend(out.logprobs)
             gen_tokens += len(out.token_ids)
+            truncated[i] = out.finish_reason == "length"
             text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
             obs, r, done, info = envs[i].step(text)
             reward[i] += r
@@ -121,6 +123,7 @@ def run_episodes(
             success=bool(infos[i].get("success", False)),
             task_seed=int(task_seeds[i // group_size]),
             info=infos[i],
+            truncated=truncated[i],
         )
         for i in range(n)
     ]

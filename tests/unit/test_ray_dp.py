@@ -12,8 +12,9 @@ import socket
 import torch
 import torch.multiprocessing as mp
 
+from gyre.algos import LOSS_AGGREGATIONS
 from gyre.policy import collate
-from gyre.trainer import LOSS_AGGREGATIONS, GRPOSettings, grpo_update
+from gyre.update import GRPOSettings, policy_update
 from helpers import dp_batch, dp_rank
 
 
@@ -35,7 +36,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, make_tiny_model, tokenizer):
         trajs, adv = dp_batch(ref)
         opt = torch.optim.SGD(ref.parameters(), lr=0.5)
         settings = GRPOSettings(micro_batch_size=3, loss_agg=agg, max_grad_norm=1e9)
-        grpo_update(ref, opt, collate(trajs, 0, torch.device("cpu")), adv, settings)
+        policy_update(ref, opt, collate(trajs, 0, torch.device("cpu")), adv, settings)
         moved = max((ref.state_dict()[k] - before[k]).abs().max().item() for k in before)
         assert moved > 1e-3  # the step did something
         for k, v in ref.state_dict().items():

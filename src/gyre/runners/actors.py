@@ -181,7 +181,8 @@ class TrainerRank:
             load_checkpoint_state(Path(self.resume_checkpoint), self.optimizer)
         return f"{backend}/{self.strategy}"
 
-    def update(self, step: int, trajs: list[Trajectory], adv: torch.Tensor) -> dict[str, float]:
+    def update(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
+        """Phases 3-4 on this rank's shard of whole groups (advantages need whole groups)."""
         assert self.optimizer is not None, "init_group first"
         return update_phase(
             self.cfg,
@@ -189,10 +190,9 @@ class TrainerRank:
             self.model,
             self.optimizer,
             trajs,
-            adv,
             self.tokenizer.pad_token_id,
             self.ref_model,
-            self.comm,
+            comm=self.comm,
         )
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:

@@ -41,19 +41,12 @@ import torch
 
 from gyre.checkpoint import list_checkpoints
 from gyre.config import Config, tasks_per_share
-from gyre.loop import (
-    advantages_phase,
-    base_model_path,
-    open_sinks,
-    rollout_metrics,
-    rollout_seed,
-    run_sft,
-    setup,
-)
+from gyre.loop import base_model_path, rollout_metrics, rollout_seed, run_sft, setup
 from gyre.runners import require_ray
 from gyre.runners.actors import RolloutWorker, TrainerRank
 from gyre.runners.scheduler import Group, ShareScheduler
 from gyre.telemetry import MetricsSink, timed
+from gyre.telemetry.factory import build_telemetry
 
 ray = require_ray()
 from ray.exceptions import RayActorError  # noqa: E402
@@ -129,6 +122,8 @@ def placement_bundles(cfg: Config) -> tuple[list[dict[str, float]], list[int], l
 def _combine(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Rank metrics -> step metrics: per-token means weighted by tokens, the loss summed (each
     rank holds its share of the global objective), the grad norm of the synced gradients."""
+    if len(per_rank) == 1:
+        return dict(per_rank[0])
     tokens = [m["train/tokens"] for m in per_rank]
     total = max(sum(tokens), 1.0)
     out = {}
@@ -137,7 +132,7 @@ def _combine(per_rank: list[dict[str, float]]) -> dict[str, float]:
             out[k] = sum(m[k] for m in per_rank)
         elif k == "train/tokens":
             out[k] = sum(tokens)
-        elif k == "train/grad_norm":
+        elif k in ("train/grad_norm", "train/optimizer_steps"):  # equal on every rank
             out[k] = per_rank[0][k]
         else:
             out[k] = sum(m[k] * n for m, n in zip(per_rank, tokens, strict=True)) / total
@@ -367,16 +362,14 @@ class RayRun:
             acc["gen_s"] += res["seconds"]
 
     def _train(self, step: int, groups: list[Group]) -> dict[str, float]:
-        """Phases 2-4 on the driver and the trainer group."""
-        trajs = [t for g in groups for t in g.trajs]
-        adv = advantages_phase(self.cfg, trajs)
+        """Phases 3-4 on the trainer group: rank r gets the r-th equal slice of whole groups."""
         M = self.cfg.ray.trainer_ranks
-        rows = len(trajs) // M
+        per = len(groups) // M
+        shards = [[t for g in groups[r * per : (r + 1) * per] for t in g.trajs] for r in range(M)]
         if self.cfg.ray.placement == "colocated":
             ray.get([w.release_memory.remote() for w in self.workers])
         refs = [
-            t.update.remote(step, trajs[r * rows : (r + 1) * rows], adv[r * rows : (r + 1) * rows])
-            for r, t in enumerate(self.trainers)
+            t.update.remote(step, shard) for t, shard in zip(self.trainers, shards, strict=True)
         ]
         return _combine(_trainer_get(refs))
 
@@ -406,7 +399,7 @@ class RayRun:
         _trainer_get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
 
     # -- the loop ----------------------------------------------------------------------------
-    def run(self, out: MetricsSink, resume_from: Path | None) -> dict[str, Any]:
+    def run(self, out: Any, resume_from: Path | None) -> dict[str, Any]:
         cfg = self.cfg
         self.workers = [self._new_worker(i) for i in range(cfg.ray.rollout_workers)]
         self.idle = set(range(len(self.workers)))
@@ -470,6 +463,7 @@ class RayRun:
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 with timed(m, "time/eval_s"):
                     m.update(self._evaluate(out))
+            out.trajectories(step, trajs)  # per-episode histograms (no samples: no tokenizer)
             out.log(step, m)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 try:
@@ -509,7 +503,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
         start = run_dir / "sft"
     torch.set_num_threads(1)  # the driver only schedules and computes advantages
     owned = connect(cfg)
-    out = open_sinks(cfg, run_dir, sink)
+    out = build_telemetry(cfg, run_dir, None, extra=sink)  # the driver decodes no samples
     run = None
     try:
         run = RayRun(cfg, run_dir, start, start)
