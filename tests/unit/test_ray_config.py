@@ -21,7 +21,9 @@ def test_runner_defaults_to_local_and_ray_errors_name_the_fields():
     with pytest.raises(ConfigError, match=r"advantage='gae' is not supported with runner=ray"):
         load_config(None, ["runner=ray", "train.algo.advantage=gae"])
     with pytest.raises(ConfigError, match=r"needs ray.trainer_ranks=1"):
-        load_config(None, ["runner=ray", "train.algo.advantage=reinforce_pp", "ray.trainer_ranks=2"])
+        load_config(
+            None, ["runner=ray", "train.algo.advantage=reinforce_pp", "ray.trainer_ranks=2"]
+        )
     with pytest.raises(ConfigError, match=r"'ray.mode'"):
         load_config(None, ["ray.mode=sometimes"])
     with pytest.raises(ConfigError, match=r"'runner'"):
