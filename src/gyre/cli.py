@@ -1,4 +1,4 @@
-"""``gyre``: train | sft | eval | verify-resume | report | serve | export.
+"""``gyre``: train | sft | eval | verify-resume | report | serve | export | submit.
 
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
@@ -7,6 +7,7 @@
     gyre report RUN_DIR [--out FILE] [--watch]  HTML report of a finished or running run
     gyre serve MODEL_DIR [--host H] [--port N] [--api-key KEY]   OpenAI-compatible server
     gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
+    gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
 
 Exit codes: 0 done, 1 error, 2 config error, 3 aborted by a fault policy (faults.*), 75 stopped
 on SIGTERM/SIGINT after a checkpoint (resume with run.resume=auto), 130 second signal.
@@ -21,6 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from gyre.config import Config, ConfigError, describe_fields, load_config
 
@@ -49,7 +51,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     )
     parser.add_argument("--help-config", action="store_true", help="list every config key")
     sub = parser.add_subparsers(
-        dest="command", metavar="{train,sft,eval,verify-resume,report,serve,export}"
+        dest="command", metavar="{train,sft,eval,verify-resume,report,serve,export,submit}"
     )
     helps = {
         "train": "SFT warm start (if sft.steps > 0) then GRPO; the default runs the maze demo",
@@ -72,6 +74,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
             p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
             p.add_argument("--workdir", default="", help="where both runs go (default: a temp dir)")
     sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
+    _add_submit(sub)
     ns = parser.parse_args(argv)
     if ns.help_config:
         print("\n".join(describe_fields()))
@@ -84,6 +87,43 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     if args and "=" not in args[0]:
         path = args.pop(0)
     return ns, load_config(path, args)
+
+
+def _add_submit(sub: Any) -> None:
+    text = "submit `gyre train` to a Ray cluster through the Ray Jobs API (needs gyre[ray])"
+    p = sub.add_parser(
+        "submit",
+        help=text,
+        description=text + ".",
+        epilog=_KEYS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    p.add_argument("--address", required=True, help="Ray dashboard address, http://HEAD:8265")
+    p.add_argument("--working-dir", default=".", help="uploaded as the job's working dir")
+    p.add_argument("--pip", action="append", default=[], help="pip package for the job's env")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for the job",
+    )
+    p.add_argument("--python", default="python", help="interpreter on the cluster")
+    p.add_argument("--no-follow", action="store_true", help="return after submitting")
+
+
+def _submit(ns: argparse.Namespace) -> int:
+    from gyre.runners.ray_submit import submit
+
+    args = list(ns.args)
+    config = args.pop(0) if args and "=" not in args[0] else None
+    env = dict(e.split("=", 1) for e in ns.env)
+    job_id, status = submit(
+        ns.address, config, args, ns.working_dir, not ns.no_follow, ns.pip, env, ns.python
+    )
+    print(f"job {job_id}: {status}")
+    return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
 
 
 def _table(rows: list[tuple[str, dict]]) -> str:
@@ -135,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     from gyre.resilience import EXIT_FAULTS, EXIT_PREEMPTED, FaultAbort, Preempted
 
     try:
+        if ns.command == "submit":
+            return _submit(ns)
         if ns.command == "train":
             s = loop.train(cfg)
             console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
@@ -161,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except FaultAbort as exc:
         print(f"gyre: aborted: {exc}", file=sys.stderr)
         return EXIT_FAULTS
-    except (FileNotFoundError, FileExistsError, ValueError, CheckpointError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, CheckpointError, ImportError) as exc:
         print(f"gyre: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -344,6 +344,77 @@ class LogConfig(_Section):
         return "off" if v is False else v
 
 
+class RoleResources(_Section):
+    num_cpus: float = Field(1.0, ge=0, description="Logical CPUs one actor of this role reserves.")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs one actor of this role reserves (fractions share a GPU)."
+    )
+
+
+class RayConfig(_Section):
+    """The Ray runner (``runner: ray``): actors, placement, async mode and recovery."""
+
+    address: str = Field(
+        "",
+        description="'' starts a local Ray cluster (or joins RAY_ADDRESS when set, as inside a "
+        "submitted job); 'auto' or 'ray://host:10001' joins an existing one.",
+    )
+    num_cpus: int = Field(0, ge=0, description="Logical CPUs of a local cluster; 0 detects them.")
+    temp_dir: str = Field("", description="Ray's session directory for a local cluster.")
+    namespace: str = Field("gyre", description="Ray namespace; actors are named inside it.")
+    rollout_workers: int = Field(2, gt=0, description="Rollout actors (engine + env factory).")
+    trainer_ranks: int = Field(
+        1, gt=0, description="Trainer actors doing data-parallel updates over torch.distributed."
+    )
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "disaggregated",
+        description="colocated: roles share bundles and alternate; disaggregated: own bundles, "
+        "generation overlaps training.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the bundles."
+    )
+    rollout: RoleResources = Field(
+        default_factory=RoleResources, description="Resources of one rollout actor."
+    )
+    trainer: RoleResources = Field(
+        default_factory=RoleResources, description="Resources of one trainer actor."
+    )
+    mode: Literal["sync", "one-step-off", "async"] = Field(
+        "sync",
+        description="sync: generate then train; one-step-off: generate batch n+1 while training "
+        "n; async: generation runs up to ray.async_ahead batches ahead.",
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="A trajectory of policy v trains version v+k only while k <= this."
+    )
+    async_ahead: int = Field(
+        -1, ge=-1, description="async mode: batches generation may run ahead; -1 = max_staleness."
+    )
+    tasks_per_share: int = Field(
+        0,
+        ge=0,
+        description="Tasks in one unit of rollout work handed to a worker; 0 = tasks_per_step / "
+        "rollout_workers (rounded up to a divisor).",
+    )
+    strategy: Literal["auto", "ddp", "fsdp2"] = Field(
+        "auto", description="Data parallelism: ddp (gloo, CPU) or fsdp2 (nccl, GPU); auto picks."
+    )
+    max_rollout_restarts: int = Field(
+        8, ge=0, description="Dead rollout actors replaced before the run fails."
+    )
+    max_trainer_restarts: int = Field(
+        2, ge=0, description="Trainer-group restarts from the latest checkpoint before failing."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, v: str) -> str:
+        if v not in ("", "auto", "local") and not v.startswith(("ray://", "http")) and ":" not in v:
+            raise ValueError("use '', 'auto', 'local', 'ray://HOST:PORT' or 'HOST:PORT'")
+        return v
+
+
 class RewardFnConfig(_Section):
     fn: str = Field(description="Import path 'module:function' of a batched reward function.")
     name: str = Field("", description="Metric name (reward/<name>_mean); default: function name.")
@@ -454,6 +525,10 @@ class Config(_Section):
     faults: FaultsConfig = Field(
         default_factory=FaultsConfig, description="Fault tolerance policies."
     )
+    runner: Literal["local", "ray"] = Field(
+        "local", description="local: one process; ray: rollout and trainer actors on Ray."
+    )
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray runner settings.")
 
     @field_validator("run")
     @classmethod
@@ -461,6 +536,56 @@ class Config(_Section):
         if v.resume not in ("auto", "never") and not v.resume:
             raise ValueError("run.resume must be 'auto', 'never' or a path")
         return v
+
+    @model_validator(mode="after")
+    def _check_ray(self) -> Config:
+        if self.runner == "ray":
+            check_ray_config(self)
+        return self
+
+
+def check_ray_config(cfg: Config) -> None:
+    """Errors that name the field, raised before any actor starts."""
+    r, t = cfg.ray, cfg.train
+    if r.placement == "colocated" and r.mode != "sync":
+        raise ValueError(
+            f"ray.mode={r.mode!r} needs ray.placement=disaggregated: colocated roles share "
+            "devices and alternate, so generation cannot overlap training"
+        )
+    share = r.tasks_per_share or tasks_per_share(t.tasks_per_step, r.rollout_workers)
+    if t.tasks_per_step % share:
+        raise ValueError(
+            f"ray.tasks_per_share={share} must divide train.tasks_per_step={t.tasks_per_step}"
+        )
+    if t.tasks_per_step % r.trainer_ranks:
+        raise ValueError(
+            f"ray.trainer_ranks={r.trainer_ranks} must divide "
+            f"train.tasks_per_step={t.tasks_per_step} (every rank trains whole groups)"
+        )
+    if t.algo.advantage == "gae":
+        raise ValueError("train.algo.advantage='gae' is not supported with runner=ray yet")
+    if t.algo.advantage.startswith("reinforce_pp") and r.trainer_ranks > 1:
+        raise ValueError(
+            f"train.algo.advantage={t.algo.advantage!r} whitens over the whole batch; with "
+            "runner=ray it needs ray.trainer_ranks=1"
+        )
+    if t.dapo.dynamic_sampling:
+        raise ValueError("train.dapo.dynamic_sampling is not supported with runner=ray yet")
+    if cfg.reward.functions:
+        raise ValueError("reward.functions are not supported with runner=ray yet")
+    if cfg.model.lora is not None:
+        raise ValueError("model.lora is not supported with runner=ray yet (use runner=local)")
+    if cfg.engine.kind != "torch":
+        raise ValueError(
+            f"engine.kind={cfg.engine.kind!r} is not supported with runner=ray yet: the rollout "
+            "workers run in-process torch engines"
+        )
+
+
+def tasks_per_share(tasks_per_step: int, workers: int) -> int:
+    """The default unit of rollout work: the smallest divisor of the step >= step / workers."""
+    want = -(-tasks_per_step // workers)
+    return next(d for d in range(want, tasks_per_step + 1) if tasks_per_step % d == 0)
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -503,6 +628,9 @@ def _describe(errors: ValidationError, tree: dict[str, Any]) -> str:
     lines = []
     for err in errors.errors():
         loc = [str(p) for p in err["loc"]]
+        if not loc:  # a cross-field check (e.g. the ray section); its message names the fields
+            lines.append(err["msg"].removeprefix("Value error, "))
+            continue
         key = ".".join(loc)
         node: Any = tree
         for p in loc:

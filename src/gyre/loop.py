@@ -217,6 +217,67 @@ def _check_nonfinite(cfg: Config, streak: int, phase: str, step: int) -> None:
         )
 
 
+# -- phases shared by every runner (the Ray runner calls these from its actors and driver) ------
+def rollout_seed(cfg: Config, step: int, round_: int = 0) -> int:
+    """The sampler seed of GRPO step ``step`` (1-based), rollout round ``round_``."""
+    return (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
+
+
+def update_phase(
+    cfg: Config,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trajs: list[Trajectory],
+    pad_token_id: int,
+    ref_model: torch.nn.Module | None,
+    value_model: ValueModel | None = None,
+    metrics: dict[str, float] | None = None,
+    comm: Any = None,
+) -> dict[str, float]:
+    """Phases 3-4: collate, (DAPO overlong shaping,) advantages and the policy update.
+
+    Under data parallelism ``trajs`` is this rank's shard of whole groups and ``comm`` (see
+    ``gyre.distributed``) makes the loss weights global and sums the gradients over ranks.
+    """
+    m = {} if metrics is None else metrics
+    device = next(model.parameters()).device
+    algo, settings = cfg.train.algo, settings_from_config(cfg.train)
+    rewards = torch.tensor([t.reward for t in trajs])
+    groups = torch.tensor([t.group_id for t in trajs])
+    batch = collate(trajs, pad_token_id, device)
+    shaped = apply_overlong(rewards, trajs, batch, cfg.train.dapo, cfg.train.sampling, m)
+    m.update(prepare_batch(model, batch, settings, ref_model, value_model))
+    adv, adv_m = batch_advantages(
+        algo.advantage, shaped, groups, batch, settings,
+        eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
+    )  # fmt: skip
+    m.update(adv_m)
+    gen = torch.Generator()
+    gen.manual_seed(cfg.run.seed * 100_003 + step)
+    reduce_counts = comm.reduce_counts if comm is not None else None
+    sync_grads = comm.sync_gradients if comm is not None else None
+    upd = policy_update(
+        model, optimizer, batch, adv, settings, ref_model, gen, value_model,
+        reduce_counts=reduce_counts, sync_grads=sync_grads,
+    )  # fmt: skip
+    m.update(upd)
+    return m
+
+
+def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
+    """Phase 6's rollout statistics of one training batch (groups of ``group_size``)."""
+    rewards = torch.tensor([t.reward for t in trajs])
+    grouped = rewards.view(-1, group_size)
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/success_rate": float(np.mean([t.success for t in trajs])),
+        "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+        "rollout/response_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
+        "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
+    }
+
+
 def _task_rollout(
     cfg: Config,
     cursor: TaskCursor,
@@ -231,8 +292,7 @@ def _task_rollout(
 
     def generate(n_tasks: int, round_: int) -> list[Trajectory]:
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in cursor.take(n_tasks)]
-        seed = (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
-        params = _sampling(cfg, tokenizer, seed=seed)
+        params = _sampling(cfg, tokenizer, seed=rollout_seed(cfg, step, round_))
         return run_episodes(make_env, engine, tokenizer, seeds, cfg.train.group_size, params, stats)
 
     return generate
@@ -262,6 +322,10 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     Resumable from any kill (see docs/operations.md); SIGTERM/SIGINT stop at the end of the
     current step with a checkpoint and raise :class:`gyre.resilience.Preempted`.
     """
+    if cfg.runner != "local":  # distribution is the runner's concern; this module stays Ray-free
+        from gyre.runners import get_runner
+
+        return get_runner(cfg.runner)(cfg, sink)
     t_start = time.perf_counter()
     run_dir, device = setup(cfg, fresh_check=True)
     ckpt = Checkpointer(cfg, run_dir)
@@ -319,12 +383,12 @@ def _train(
         trainable_parameters(model), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
     )
     algo, dapo = cfg.train.algo, cfg.train.dapo
-    settings = settings_from_config(cfg.train)
     value_model = None
     if algo.advantage == "gae":
         value_model = ValueModel(model, algo.value_model, algo.critic_lr)
-    gen = torch.Generator()
-    generators: dict[str, Any] = {"update": gen}
+    # The update's generator is reseeded every step (update_phase); only the engine's sampling
+    # RNG carries state from step to step.
+    generators: dict[str, Any] = {}
     if getattr(engine, "_generator", None) is not None:  # in-process engine's sampling RNG
         generators["engine"] = engine._generator
     cursor = TaskCursor(None)  # GRPO tasks: an endless procedural stream (task i = seed i)
@@ -383,47 +447,21 @@ def _train(
                 with timed(m, "time/reward_s"):
                     m.update(rewarder.score(trajs, tokenizer, step))
             m.update(reward_m)
-            rewards = torch.tensor([t.reward for t in trajs])
-            groups = torch.tensor([t.group_id for t in trajs])
             with timed(m, "time/train_s"):
-                # 3. advantages (after DAPO's overlong shaping / truncation masking, if enabled)
-                batch = collate(trajs, tokenizer.pad_token_id, device)
-                shaped = apply_overlong(rewards, trajs, batch, dapo, cfg.train.sampling, m)
-                m.update(prepare_batch(model, batch, settings, ref_model, value_model))
-                adv, adv_m = batch_advantages(
-                    algo.advantage, shaped, groups, batch, settings,
-                    eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
+                # 3. advantages (after DAPO's overlong shaping / truncation masking) + 4. update
+                update_phase(
+                    cfg, step, model, optimizer, trajs, tokenizer.pad_token_id, ref_model,
+                    value_model, metrics=m,
                 )  # fmt: skip
-                m.update(adv_m)
-                # 4. update
-                gen.manual_seed(cfg.run.seed * 100_003 + step)
-                m.update(
-                    policy_update(
-                        model, optimizer, batch, adv, settings, ref_model, gen, value_model
-                    )
-                )
             # 5. weight sync
             if syncer.due(step, cfg.train.steps):
                 with timed(m, "time/sync_s"):
                     m.update(syncer.sync(model, version=step))
             # 6. log
-            grouped = rewards.view(-1, cfg.train.group_size)
             _count_faults(faults, m, stats, len(trajs))
-            m.update(
-                {
-                    "rollout/reward_mean": float(rewards.mean()),
-                    "rollout/success_rate": float(np.mean([t.success for t in trajs])),
-                    "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
-                    "rollout/response_tokens_mean": float(
-                        np.mean([t.num_generated for t in trajs])
-                    ),
-                    "rollout/frac_reward_zero_std": float(
-                        (grouped.std(dim=1) == 0).float().mean()
-                    ),
-                    "perf/rollout_tokens_per_s": stats.tokens_per_s,
-                    "policy_version": float(engine.version),
-                }
-            )
+            m.update(rollout_metrics(trajs, cfg.train.group_size))
+            m["perf/rollout_tokens_per_s"] = stats.tokens_per_s
+            m["policy_version"] = float(engine.version)
             out.trajectories(step, trajs)  # samples.jsonl, per-episode histograms
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 with timed(m, "time/eval_s"):

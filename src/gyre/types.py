@@ -61,6 +61,7 @@ class Trajectory:
     task_seed: int
     info: dict[str, Any] = field(default_factory=dict)
     truncated: bool = False  # the episode's last completion hit max_new_tokens (no stop token)
+    traj_id: str = ""  # unique in a run ("<task index>:<sample>") where a runner assigns it
 
     @property
     def num_generated(self) -> int:

@@ -226,6 +226,7 @@ def policy_update(
     generator: torch.Generator | None = None,
     value_model: ValueModel | None = None,
     reduce_counts: Callable[[StepCounts], StepCounts] | None = None,
+    sync_grads: Callable[[torch.nn.Module], None] | None = None,
 ) -> dict[str, float]:
     """One rollout batch -> ``ppo_epochs`` x mini-batches optimizer steps.
 
@@ -235,7 +236,8 @@ def policy_update(
     ``sum over its tokens of l * w`` with w from :func:`gyre.algos.agg_weights` and the step's
     :class:`StepCounts`, accumulated over micro-batches. ``reduce_counts`` turns this process's
     counts into the global ones before the micro-batch loop: a data-parallel runner passes an
-    all-reduce (sum) over ranks, so every rank divides by the same global denominators.
+    all-reduce (sum) over ranks, so every rank divides by the same global denominators, and
+    ``sync_grads`` that sums the gradients over ranks once per optimizer step, before clipping.
     """
     check_mode(settings.loss_agg)
     loss_fn = get_policy_loss_fn(settings.policy_loss)
@@ -349,6 +351,8 @@ def policy_update(
                     "rollout_logprob_gap",
                     masked_token_sum((old - mb.rollout_logprobs).abs(), mb.loss_mask),
                 )
+        if sync_grads is not None:
+            sync_grads(model)
         gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
         if finite_step(optimizer, gn, objective - objective_before):
             grad_norms.append(gn)
