@@ -466,7 +466,9 @@ class RayRun:
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 with timed(m, "time/eval_s"):
                     m.update(self._evaluate(out))
-            out.trajectories(step, trajs)  # per-episode histograms (no samples: no tokenizer)
+            # Per-episode histograms incl. staleness (the update of `step` trains version step-1);
+            # no samples here: the driver holds no tokenizer.
+            out.trajectories(step, trajs, trained_version=step - 1)
             out.log(step, m)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 try:
