@@ -80,10 +80,10 @@ class MazeConfig(_Section):
     budget_factor: float = Field(
         2.0, ge=1.0, le=2.0, description="Move budget = floor(factor * shortest path), at most 2x."
     )
-    observation: Literal["compass", "window", "grid"] = Field(
+    observation: Literal["compass", "exits", "window", "grid"] = Field(
         "compass",
-        description="compass: grid once, then neighbours + goal offset; window: a local square; "
-        "grid: the whole grid every turn.",
+        description="compass: grid once, then neighbours + goal offset; exits: grid once, then "
+        "the open moves + goal offset; window: a local square; grid: the whole grid every turn.",
     )
     view: int = Field(
         1, ge=1, description="View radius: compass cells within this many moves; window half-width."

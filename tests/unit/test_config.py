@@ -164,3 +164,8 @@ def test_example_configs_load(name):
         pytest.skip(f"{path} not written yet")
     cfg = load_config(path)
     assert cfg.env.name == name
+
+
+def test_maze_example_is_the_embedded_default():
+    """`gyre train` and `gyre train examples/maze/config.yaml` must run the same experiment."""
+    assert load_config(ROOT / "examples" / "maze" / "config.yaml") == load_config(None)

@@ -180,6 +180,37 @@ def test_compass_observation_matches_documented_format():
             assert obs == _expected_view(env)  # later turns: only the agent's view
 
 
+def _expected_exits(env: MazeEnv) -> str:
+    """The exits view written from the compass one: each non-wall neighbour's letter + cell."""
+    compass = _expected_view(env)
+    cells, offset = compass[:4], compass[4:-1]
+    opened = "".join(name + cell for name, cell in zip(MOVES, cells, strict=True) if cell != "#")
+    return opened + " " + offset + ">"
+
+
+def test_exits_observation_matches_documented_format():
+    env = MazeEnv(observation="exits")
+    rng = np.random.default_rng(2)
+    for seed in range(10):
+        first = env.reset(seed)
+        lines = first.split("\n")
+        grid, view = lines[:-1], lines[-1]
+        assert len(grid) == env.size and "".join(grid).count("A") == 1
+        assert grid[env.pos[0]][env.pos[1]] == "A"
+        assert view == _expected_exits(env)
+        while not env.done:
+            obs, _, _, _ = env.step(env.random_action(rng))
+            assert obs == _expected_exits(env)
+            # every letter before the space is a move that is not blocked
+            for name in obs.split(" ")[0][::2]:
+                assert _inside(env, _target(env, name)) and not env.walls[_target(env, name)]
+
+
+def test_exits_observation_needs_view_1():
+    with pytest.raises(ValueError, match="view"):
+        MazeEnv(observation="exits", view=2)
+
+
 def test_visited_cells_are_marked():
     env = MazeEnv()
 

@@ -5,7 +5,7 @@ The maze is an ``size x size`` grid of cells; a fraction ``wall_density`` of the
 goal is reachable and the shortest path is at least ``min_distance`` moves). The move budget is
 ``floor(budget_factor * shortest)``, at most twice the shortest path.
 
-Observations come in three documented formats (``observation=``):
+Observations come in four documented formats (``observation=``):
 
 ``compass`` (the default). The first observation is the whole grid, then the agent's view; every
 later observation is only the agent's view::
@@ -22,6 +22,15 @@ cells up, down, left and right; with ``view=2`` those four, then the eight cells
 row by row (see :func:`compass_offsets`). Then comes the goal's offset and the prompt ``>``.
 ``u2r0`` says the goal is 2 rows up and 0 columns right (``u``/``d`` then ``l``/``r``, each
 with a count).
+
+``exits``: the same information as ``compass`` with ``view=1``, written as a text adventure
+writes a room's exits: the whole grid once, then every turn the open moves (the letters of the
+neighbours that are not walls, in the order u, d, l, r), each followed by its cell character,
+then a space, the goal offset and ``>``::
+
+    r.l+ u2r0>    <- open: right (free) and left (already visited); goal 2 up, 0 right
+
+Walls are simply absent, so the letter the policy writes is one it can copy from the view.
 
 ``window``: every turn, a ``(2 * view + 1)`` square window centred on the agent (``A``), then
 the offset and ``>``. ``grid``: every turn, the whole grid, then the offset and ``>``.
@@ -48,6 +57,7 @@ import numpy as np
 
 MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
+OBSERVATIONS = ("compass", "exits", "window", "grid")
 
 
 def parse_action(text: str) -> str | None:
@@ -107,9 +117,13 @@ class MazeEnv:
         self.wall_density = wall_density
         self.min_distance = min_distance
         self.budget_factor = budget_factor
-        if observation not in ("compass", "window", "grid"):
+        if observation not in OBSERVATIONS:
             raise ValueError(
-                f"maze observation must be compass, window or grid, got {observation!r}"
+                f"maze observation must be one of {', '.join(OBSERVATIONS)}, got {observation!r}"
+            )
+        if observation == "exits" and view != 1:
+            raise ValueError(
+                f"the exits observation shows the four neighbours only (view=1), got view={view}"
             )
         self.view = view
         self.observation = observation
@@ -187,11 +201,16 @@ class MazeEnv:
         return ["".join(self._cell(r, c) for c in range(self.size)) for r in range(self.size)]
 
     def render(self, first: bool = False) -> str:
-        """The observation text (see the module docstring for the three formats)."""
+        """The observation text (see the module docstring for the four formats)."""
         pr, pc = self.pos
         if self.observation == "compass":
             near = "".join(self._cell(pr + dr, pc + dc) for dr, dc in compass_offsets(self.view))
             view = near + self._offset() + ">"
+            return "\n".join([*self._grid(), view]) if first else view
+        if self.observation == "exits":
+            cells = ((name, self._cell(pr + dr, pc + dc)) for name, (dr, dc) in MOVES.items())
+            view = "".join(name + cell for name, cell in cells if cell != "#")
+            view += " " + self._offset() + ">"
             return "\n".join([*self._grid(), view]) if first else view
         if self.observation == "window":
             rows = [
