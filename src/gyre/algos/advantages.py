@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from gyre.algos.registry import lookup
+
 
 def _group_stats(
     rewards: torch.Tensor, group_ids: torch.Tensor
@@ -226,12 +228,7 @@ NEEDS_VALUES = frozenset({"gae"})
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
-    try:
-        return ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid: {', '.join(sorted(ADVANTAGES))}"
-        ) from None
+    return lookup(ADVANTAGES, name, "advantage estimator")
 
 
 def compute_advantages(

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gyre.algos.registry import lookup
+
 
 @dataclass(frozen=True)
 class LossParams:
@@ -156,12 +158,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown policy loss {name!r}; valid: {', '.join(sorted(POLICY_LOSSES))}"
-        ) from None
+    return lookup(POLICY_LOSSES, name, "policy loss")
 
 
 # -- KL to a reference policy ------------------------------------------------------------------
@@ -193,12 +190,7 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 
 
 def get_kl_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    try:
-        return KL_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown KL estimator {name!r}; valid: {', '.join(sorted(KL_ESTIMATORS))}"
-        ) from None
+    return lookup(KL_ESTIMATORS, name, "KL estimator")
 
 
 def masked_token_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
