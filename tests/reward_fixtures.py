@@ -150,3 +150,14 @@ def first_of_group(prompts: list[str], completions: list[str], **columns: Any) -
     """1 for the first sample of each group, 0 for the rest: every group has reward variance."""
     groups = columns["group_id"]
     return [1.0 if k == 0 or groups[k - 1] != g else 0.0 for k, g in enumerate(groups)]
+
+
+def odd_groups_raise(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """Raises whenever the batch holds a sample of an odd group (a bug on some inputs only)."""
+    if any(g % 2 for g in columns["group_id"]):
+        raise ValueError("cannot score odd groups")
+    return [1.0] * len(prompts)
+
+
+async def async_odd_groups_raise(prompts: list[str], completions: list[str], **columns: Any):
+    return odd_groups_raise(prompts, completions, **columns)

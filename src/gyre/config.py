@@ -446,12 +446,15 @@ class SandboxConfig(_Section):
         "kernel refuses. allow: no network isolation.",
     )
     workers: int = Field(2, gt=0, description="Worker processes, reused across calls.")
-    failure_reward: float = Field(0.0, description="Reward given to a sample whose call failed.")
+    failure_reward: float = Field(
+        0.0, description="Reward given to a sample whose call failed (sandboxed or in process)."
+    )
     max_failure_frac: float = Field(
         0.25,
         ge=0.0,
         le=1.0,
-        description="Stop the run when more than this fraction of a step's sandboxed calls fail.",
+        description="Stop the run when more than this fraction of a step's sandboxed calls, or "
+        "of a batch an in-process function raised on, fail.",
     )
 
 

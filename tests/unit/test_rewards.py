@@ -204,3 +204,25 @@ def test_arithmetic_env_exposes_its_answer_to_reward_functions():
     a, b = obs.rstrip("=").split("+")
     info = env.step("0")[3]
     assert info["task"] == {"answer": str(int(a) + int(b))}
+
+
+@pytest.mark.parametrize("fn", ["reward_fixtures:odd_groups_raise",
+                                "reward_fixtures:async_odd_groups_raise"])
+def test_in_process_exception_fails_only_its_samples_and_is_counted(fn, tmp_path):
+    # group_id is i // 2: samples 2, 3 (group 1) make the function raise, 0, 1 (group 0) do not.
+    cfg = RewardConfig.model_validate(
+        {"functions": [{"fn": fn, "name": "f"}], "env_weight": 0.0,
+         "sandbox": {"failure_reward": -1.0, "max_failure_frac": 0.5}}
+    )
+    log = tmp_path / "failures.jsonl"
+    r = Rewarder(cfg, log)
+    totals, values, metrics = r.score_batch(_batch(["a", "b", "c", "d"], [0.0] * 4))
+    assert values["f"] == [1.0, 1.0, -1.0, -1.0]
+    assert totals == [1.0, 1.0, -1.0, -1.0]
+    assert metrics["reward/failures"] == 2.0 and metrics["reward/failures_total"] == 2.0
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and "cannot score odd groups" in lines[0]
+    # more than max_failure_frac of the batch failing stops the step, naming the field and key
+    with pytest.raises(RewardError, match=r"reward.functions\[0\].fn .* 4/6 samples .*"
+                       r"reward.sandbox.max_failure_frac=0.5"):
+        r.score_batch(_batch(["a"] * 6, [0.0] * 6, group_id=[0, 0, 1, 1, 1, 1]))

@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,12 @@ class RewardBatch:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def sample(self, i: int) -> RewardBatch:
+        """The one-sample batch of sample ``i``."""
+        return RewardBatch(
+            [self.prompts[i]], [self.completions[i]], {k: [v[i]] for k, v in self.columns.items()}
+        )
 
 
 def batch_from_trajectories(trajs: Sequence[Trajectory], tokenizer: Any) -> RewardBatch:
@@ -170,6 +177,8 @@ class Rewarder:
         self.failure_log = Path(failure_log) if failure_log else None
         self.terms: list[RewardTerm] = []
         self.failures_total = 0
+        self.inprocess_failures_total = 0  # samples an in-process function raised on
+        self._step_failures: int | None = None
         self.step = 0
         names = {"env"}
         for i, fc in enumerate(cfg.functions):
@@ -219,23 +228,66 @@ class Rewarder:
                 else:
                     values[term.name] = as_values(out, n, term.field)
             except Exception as exc:
-                for _, aw in pending:  # never started: close them quietly
-                    if inspect.iscoroutine(aw):
-                        aw.close()
-                if isinstance(exc, RewardError):
+                try:
+                    if isinstance(exc, RewardError):
+                        raise
+                    values[term.name] = self._per_sample(term, batch, exc)
+                except RewardError:
+                    for _, aw in pending:  # never started: close them quietly
+                        if inspect.iscoroutine(aw):
+                            aw.close()
                     raise
-                raise RewardError(f"{term.field} ({term.path}) raised {exc!r}") from exc
         if pending:
             outs = _run_coroutines([aw for _, aw in pending])
             for (term, _), out in zip(pending, outs, strict=True):
+                if isinstance(out, RewardError):
+                    raise out
                 if isinstance(out, BaseException):
-                    raise RewardError(f"{term.field} ({term.path}) raised {out!r}") from out
+                    values[term.name] = self._per_sample(term, batch, out)
+                    continue
                 values[term.name] = as_values(out, n, term.field)
         sandbox_metrics = self._score_sandboxed(batch, values)
+        if self._step_failures is not None:
+            sandbox_metrics["reward/failures"] = float(self._step_failures)
+            sandbox_metrics["reward/failures_total"] = float(self.inprocess_failures_total)
+            self._step_failures = None
         totals = [self.cfg.env_weight * v for v in values["env"]]
         for term in self.terms:
             totals = [a + term.weight * b for a, b in zip(totals, values[term.name], strict=True)]
         return totals, values, sandbox_metrics
+
+    def _per_sample(self, term: RewardTerm, batch: RewardBatch, exc: BaseException) -> list[float]:
+        """An in-process function raised on the batch: call it sample by sample, so only the
+        samples it fails on get ``reward.sandbox.failure_reward`` (logged with the traceback and
+        counted); stop when more than ``reward.sandbox.max_failure_frac`` of the batch fails."""
+        n = len(batch)
+        vals = [self.cfg.sandbox.failure_reward] * n
+        failed: list[tuple[int, str]] = []
+        for i in range(n):
+            one = batch.sample(i)
+            try:
+                out = term.fn(list(one.prompts), list(one.completions), **self._kwargs(term, one))
+                if inspect.isawaitable(out):
+                    out = _run_coroutines([out])[0]
+                    if isinstance(out, BaseException):
+                        raise out
+                vals[i] = as_values(out, 1, term.field)[0]
+            except RewardError:
+                raise
+            except Exception as err:
+                failed.append((i, "".join(traceback.format_exception(err)).strip()))
+        for i, tb in failed:
+            self._log_failure(term, i, "exception", tb)
+        self.inprocess_failures_total += len(failed)
+        self._step_failures = (self._step_failures or 0) + len(failed)
+        frac = len(failed) / max(n, 1)
+        if frac > self.cfg.sandbox.max_failure_frac:
+            raise RewardError(
+                f"{term.field} ({term.path}) raised {exc!r} on {len(failed)}/{n} samples at step "
+                f"{self.step} ({frac:.0%} > reward.sandbox.max_failure_frac="
+                f"{self.cfg.sandbox.max_failure_frac})"
+            ) from exc
+        return vals
 
     def _kwargs(self, term: RewardTerm, batch: RewardBatch) -> dict[str, Any]:
         # The term's configured kwargs win over a task column of the same name.
@@ -297,7 +349,8 @@ class Rewarder:
 
     def _log_failure(self, term: RewardTerm, index: int, kind: str, error: str) -> None:
         log.warning(
-            "sandboxed reward %s (%s) failed on sample %d at step %d [%s]; it gets %s\n%s",
+            "%s %s (%s) failed on sample %d at step %d [%s]; it gets %s\n%s",
+            "sandboxed reward" if term.sandbox else "reward",
             term.name,
             term.path,
             index,
