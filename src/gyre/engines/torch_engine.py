@@ -57,6 +57,16 @@ def _env_flag(name: str, default: bool) -> bool:
     return raw.strip().lower() not in ("0", "false", "no", "off")
 
 
+def _new_cache(model: torch.nn.Module) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise TypeError(
+            "TorchEngine needs a model whose DynamicCache has only plain DynamicLayer layers "
+            "(sliding-window / hybrid models are not supported)"
+        )
+    return cache
+
+
 @dataclass
 class _Parked:
     """A finished session's cache: its real columns only, per layer (H, n, D)."""
@@ -87,14 +97,7 @@ class _Batch:
         self.cache, self.colmask, self.rows, self.logits = cache, colmask, rows, logits
 
     def _layers(self) -> list[DynamicLayer]:
-        layers = self.cache.layers
-        for layer in layers:
-            if type(layer) is not DynamicLayer:
-                raise TypeError(
-                    f"TorchEngine needs plain DynamicLayer caches, got {type(layer).__name__} "
-                    "(sliding-window / hybrid models are not supported)"
-                )
-        return layers
+        return self.cache.layers
 
     def select(self, keep: list[int]) -> None:
         idx = torch.tensor(keep, device=self.colmask.device)
@@ -343,7 +346,7 @@ class TorchEngine:
             row_of.append(len(sources))
             sources.append((None, list(req.prompt_ids)))
         width = max((len(p.fed) for p, _ in sources if p is not None), default=0)
-        cache = DynamicCache(config=self.model.config)
+        cache = _new_cache(self.model)
         colmask = torch.zeros(len(sources), width, dtype=torch.long, device=self.device)
         proto = [_Row(-1, None, 0, []) for _ in sources]
         if width:
@@ -379,20 +382,27 @@ class TorchEngine:
         """
         B = len(chunk)
         C = max(1, max(len(c) for c in chunk))
-        ids = torch.full((B, C), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, C), dtype=torch.long)
-        pos = torch.zeros((B, C), dtype=torch.long)
-        keep = torch.zeros((B, C), dtype=torch.bool)
+        # Built as Python lists and converted once: per-row tensor writes cost more than the
+        # forward of a small model.
+        ids_l: list[list[int]] = []
+        mask_l: list[list[int]] = []
+        pos_l: list[list[int]] = []
+        keep_l: list[int] = []
+        pad = self.pad_token_id
         for i, c in enumerate(chunk):
             fed = batch.rows[i].fed
             n, start = len(c), len(fed)
-            if n:
-                ids[i, :n] = torch.tensor(c)
-                mask[i, :n] = 1
-                pos[i, :n] = torch.arange(start, start + n)
-            keep[i, max(n - 1, 0)] = True
-            pos[i, n:] = start + max(n - 1, 0)
+            last = start + max(n - 1, 0)
+            ids_l.append([*c, *([pad] * (C - n))])
+            mask_l.append([1] * n + [0] * (C - n))
+            pos_l.append([*range(start, start + n), *([last] * (C - n))])
+            keep_l.append(max(n - 1, 0))
             fed.extend(c)
+        ids = torch.tensor(ids_l, dtype=torch.long)
+        mask = torch.tensor(mask_l, dtype=torch.long)
+        pos = torch.tensor(pos_l, dtype=torch.long)
+        keep = torch.zeros((B, C), dtype=torch.bool)
+        keep[torch.arange(B), torch.tensor(keep_l)] = True
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         batch.colmask = torch.cat([batch.colmask, mask], dim=1)
         out = self.model(
