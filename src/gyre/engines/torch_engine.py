@@ -158,6 +158,9 @@ class TorchEngine:
     ``max_batch_size`` (0 = unbounded) caps the rows decoded together; ``prefix_sharing`` and
     ``compaction`` can be switched off (also by the env vars ``GYRE_PREFIX_SHARING=0`` and
     ``GYRE_COMPACTION=0``) to measure what each buys. Results never depend on any of them.
+    ``compile_decode`` (or ``GYRE_COMPILE_DECODE=1``) runs the decode step through
+    ``torch.compile``; ``admit_ratio`` sets how many requests must wait (relative to running
+    rows) before a mid-decode admission prefill is worth its forward call.
     """
 
     def __init__(
@@ -168,6 +171,8 @@ class TorchEngine:
         max_batch_size: int = 0,
         prefix_sharing: bool | None = None,
         compaction: bool | None = None,
+        admit_ratio: float = 0.5,
+        compile_decode: bool | None = None,
     ) -> None:
         if max_batch_size < 0:
             raise ValueError(f"max_batch_size must be >= 0 (0 = unbounded), got {max_batch_size}")
@@ -180,6 +185,14 @@ class TorchEngine:
             _env_flag("GYRE_PREFIX_SHARING", True) if prefix_sharing is None else prefix_sharing
         )
         self.compaction = _env_flag("GYRE_COMPACTION", True) if compaction is None else compaction
+        self.admit_ratio = admit_ratio
+        if compile_decode is None:
+            compile_decode = _env_flag("GYRE_COMPILE_DECODE", False)
+        # torch.compile of the one-token decode step only (prefill stays eager). Off by default:
+        # it pays per step but costs minutes of compilation on a small CPU (docs/performance.md).
+        self._decode_model: Callable[..., object] = (
+            torch.compile(self.model, dynamic=True) if compile_decode else self.model
+        )
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
         self._parked: dict[Hashable, _Parked] = {}
@@ -261,7 +274,15 @@ class TorchEngine:
         while waiting or batch is not None:
             live = 0 if batch is None else len(batch.rows)
             can_admit = limit - live if self.compaction or batch is None else 0
-            if waiting and can_admit > 0:
+            # An admission costs a prefill forward of its own; on a small model the forward's
+            # fixed cost dominates, so admit in bunches: when the batch is empty, slots are
+            # short, or at least ``admit_ratio`` x as many requests wait as rows run.
+            worth = (
+                batch is None
+                or len(waiting) >= can_admit
+                or len(waiting) >= self.admit_ratio * live
+            )
+            if waiting and can_admit > 0 and worth:
                 admit = [waiting.popleft() for _ in range(min(can_admit, len(waiting)))]
                 fresh = self._admit(admit)
                 if batch is None:
@@ -405,7 +426,8 @@ class TorchEngine:
         keep[torch.arange(B), torch.tensor(keep_l)] = True
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         batch.colmask = torch.cat([batch.colmask, mask], dim=1)
-        out = self.model(
+        forward = self._decode_model if C == 1 else self.model
+        out = forward(
             input_ids=ids,
             attention_mask=batch.colmask,
             position_ids=pos,
