@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gyre.sampling import sampling_logprobs
+from gyre.scoring import ScoringOptions, chunked_token_logprobs
 from gyre.types import Trajectory
 
 
@@ -69,11 +70,25 @@ def token_logprobs(
     temperature: float = 1.0,
     top_p: float = 1.0,
     with_entropy: bool = False,
+    options: ScoringOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, under the sampling distribution.
 
     Returns (logprobs (B, T), entropy (B, T) or None); position 0 is 0.0 (no prefix).
+
+    By default the batch is packed and scored in chunks (:mod:`gyre.scoring`): padding is not
+    computed and the full-vocab log-softmax is never materialised for all positions at once;
+    the values are those of the plain path (padding positions read 0). ``options`` overrides
+    the defaults (``GYRE_PACK`` / ``GYRE_LOGPROB_CHUNK``); with both off this is the plain path.
     """
+    opts = options or ScoringOptions.from_env()
+    if opts.pack or opts.chunk > 0:
+        fast = chunked_token_logprobs(
+            model, batch.input_ids, batch.attention_mask, 0, temperature, top_p, opts
+        )
+        if fast is not None:
+            tok, ent = fast
+            return tok, ent if with_entropy else None
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp = sampling_logprobs(logits[:, :-1], temperature, top_p)  # (B, T-1, V)
     targets = batch.input_ids[:, 1:].unsqueeze(-1)
