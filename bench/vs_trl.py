@@ -2,8 +2,9 @@
 
 Same task, model, batch and hyper-parameters on both sides:
 
-- task: single-turn arithmetic (``gyre.envs.ArithmeticEnv``: ``"37+45="`` -> ``"82"``, reward 1
-  iff the integer written is right); step k uses the same P task seeds on both sides;
+- task: single-turn arithmetic (``gyre.envs.ArithmeticEnv``, operands 0..``--max-operand``,
+  ``+-``: ``"7+5="`` -> ``"12"``, reward 1 iff the integer written is right); step k uses the
+  same P task seeds on both sides;
 - model: gyre's tiny Llama (char tokenizer), warm-started by a short shared SFT (gyre's
   ``sft_step`` on expert demonstrations) so that reward is not stuck at 0; both sides load the
   very same folder;
@@ -34,11 +35,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +73,20 @@ def task_seeds(seed: int, step: int, prompts: int) -> list[int]:
     return [10_000 * seed + 100 * step + k for k in range(prompts)]
 
 
-def warm_start(base: Path, out: Path, steps: int, seed: int) -> Path:
+def env_maker(max_operand: int) -> Callable[[], ArithmeticEnv]:
+    return functools.partial(ArithmeticEnv, max_operand=max_operand, ops="+-")
+
+
+def warm_start(base: Path, out: Path, steps: int, seed: int, max_operand: int) -> Path:
     """A short SFT on expert answers, shared by both sides (so GRPO has a reward signal)."""
     model, tok = load_pretrained(base, torch.device("cpu"))
+    make_env = env_maker(max_operand)
     if steps > 0:
         rng = np.random.default_rng(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
         for k in range(steps):
             demos = [
-                demonstrate(ArithmeticEnv, tok, 1_000_000 + 64 * k + j, 0.0, rng) for j in range(32)
+                demonstrate(make_env, tok, 1_000_000 + 64 * k + j, 0.0, rng) for j in range(32)
             ]
             sft_step(model, opt, collate(demos, tok.pad_token_id, torch.device("cpu")), 32)
     model.save_pretrained(out)
@@ -87,12 +94,13 @@ def warm_start(base: Path, out: Path, steps: int, seed: int) -> Path:
     return out
 
 
-def evaluate_reward(model: torch.nn.Module, tok: Any, tasks: int, max_new: int) -> float:
+def evaluate_reward(
+    model: torch.nn.Module, tok: Any, tasks: int, max_new: int, max_operand: int
+) -> float:
     engine = TorchEngine(copy.deepcopy(model), tok.pad_token_id, seed=0)
     params = SamplingParams(1.0, 1.0, max_new, stop_ids(tok), seed=12345)
-    trajs = run_episodes(
-        ArithmeticEnv, engine, tok, [5_000_000 + k for k in range(tasks)], 1, params
-    )
+    seeds = [5_000_000 + k for k in range(tasks)]
+    trajs = run_episodes(env_maker(max_operand), engine, tok, seeds, 1, params)
     return float(np.mean([t.reward for t in trajs]))
 
 
@@ -115,7 +123,7 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     for step in range(args.steps):
         params = SamplingParams(1.0, 1.0, args.max_new_tokens, stops, seed=args.seed + step)
         trajs = run_episodes(
-            ArithmeticEnv,
+            env_maker(args.max_operand),
             engine,
             tok,
             task_seeds(args.seed, step, args.prompts),
@@ -133,7 +141,9 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "seconds": seconds,
         "rewards": rewards,
-        "eval_reward": evaluate_reward(model, tok, args.eval_tasks, args.max_new_tokens),
+        "eval_reward": evaluate_reward(
+            model, tok, args.eval_tasks, args.max_new_tokens, args.max_operand
+        ),
     }
 
 
@@ -150,7 +160,7 @@ def run_trl(path: Path, args: argparse.Namespace, workdir: Path) -> dict[str, An
         single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)]
     )
     model.generation_config.eos_token_id = list(stop_ids(tok))
-    env = ArithmeticEnv()
+    env = env_maker(args.max_operand)()
     prompts, answers = [], []
     for step in range(args.steps):
         for s in task_seeds(args.seed, step, args.prompts):
@@ -228,7 +238,9 @@ def run_trl(path: Path, args: argparse.Namespace, workdir: Path) -> dict[str, An
     return {
         "seconds": clock.end - clock.start,
         "rewards": rewards,
-        "eval_reward": evaluate_reward(trained, tok, args.eval_tasks, args.max_new_tokens),
+        "eval_reward": evaluate_reward(
+            trained, tok, args.eval_tasks, args.max_new_tokens, args.max_operand
+        ),
         "trl": trl.__version__,
     }
 
@@ -240,9 +252,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts per step (P)")
     p.add_argument("--group-size", type=int, default=8, help="generations per prompt (G)")
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10, help="GRPO steps on each side")
+    p.add_argument("--steps", type=int, default=20, help="GRPO steps on each side")
+    p.add_argument("--max-operand", type=int, default=9, help="operands in [0, N], ops +-")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--sft-steps", type=int, default=150, help="shared warm start (0: none)")
+    p.add_argument("--sft-steps", type=int, default=300, help="shared warm start (0: none)")
     p.add_argument("--eval-tasks", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes: smoke test")
@@ -268,9 +281,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gyre-vs-trl-") as tmp:
         work = Path(tmp)
         base = create_tiny_checkpoint(ModelConfig(), work / "tiny", args.seed)
-        warm = warm_start(base, work / "warm", args.sft_steps, args.seed)
+        warm = warm_start(base, work / "warm", args.sft_steps, args.seed, args.max_operand)
         model, _ = load_pretrained(warm, torch.device("cpu"))
-        start_reward = evaluate_reward(model, _, args.eval_tasks, args.max_new_tokens)
+        start_reward = evaluate_reward(
+            model, _, args.eval_tasks, args.max_new_tokens, args.max_operand
+        )
         g = run_gyre(warm, args)
         t = run_trl(warm, args, work)
     samples = args.prompts * args.group_size * args.steps
@@ -282,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "max_new_tokens": args.max_new_tokens,
         "steps": args.steps,
         "lr": args.lr,
+        "max_operand": args.max_operand,
         "samples": samples,
         "gyre_seconds": round(g["seconds"], 3),
         "trl_seconds": round(t["seconds"], 3),
