@@ -254,7 +254,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--steps", type=int, default=20, help="GRPO steps on each side")
     p.add_argument("--max-operand", type=int, default=9, help="operands in [0, N], ops +-")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--sft-steps", type=int, default=300, help="shared warm start (0: none)")
     p.add_argument("--eval-tasks", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)

@@ -127,6 +127,9 @@ def _head_and_body(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
     return dec, head
 
 
+PACK_MIN_SAVING = 0.9
+"""Pack only when the packed batch has at most this fraction of the padded batch's positions."""
+
 _PACKING_OK: dict[tuple[type, str], bool] = {}
 
 
@@ -199,8 +202,12 @@ def chunked_token_logprobs(
     need = attention_mask.bool().clone()
     need[:, 0] = False
     b_idx, t_idx = need.nonzero(as_tuple=True)
+    packed = None
     if opts.pack and B > 1 and packing_supported(decoder):
         packed = pack_rows(input_ids, lengths, pad_token_id)
+        if packed.num_positions > PACK_MIN_SAVING * B * T:
+            packed = None  # rows of similar length: packing would save too little to pay
+    if packed is not None:
         hidden = decoder(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gyre.policy import collate, token_logprobs
-from gyre.scoring import ScoringOptions, pack_rows
+from gyre.scoring import PACK_MIN_SAVING, ScoringOptions, pack_rows
 from gyre.trainer import GRPOSettings, grpo_update
 from gyre.types import Trajectory
 
@@ -49,6 +49,9 @@ def test_pack_rows_places_every_row_once():
 def test_fast_logprobs_equal_full(make_tiny_model, opts, temperature, top_p):
     model = make_tiny_model(seed=3, sharp=True)
     batch = collate(_trajs(), 0, CPU)
+    lengths = batch.attention_mask.sum(1).tolist()
+    saving = pack_rows(batch.input_ids, lengths, 0).num_positions / batch.input_ids.numel()
+    assert saving <= PACK_MIN_SAVING, "the data must be packable, else packing is not tested"
     with torch.no_grad():
         ref, ref_ent = token_logprobs(model, batch, temperature, top_p, True, options=PLAIN)
         got, ent = token_logprobs(model, batch, temperature, top_p, True, options=opts)
