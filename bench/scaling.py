@@ -21,7 +21,7 @@ Run::
 
     python bench/scaling.py                   # both workloads, tiny model (vocab 99)
     python bench/scaling.py --only train --vocab 32000
-    python bench/scaling.py --quick           # smoke test: 2 points per sweep
+    python bench/scaling.py --quick           # smoke test: 2 small points per sweep, in process
 
 The last line of output is one JSON object.
 """
@@ -123,6 +123,21 @@ def point_train(side: str, rows: int, length: int, vocab: int, seed: int) -> dic
 
 
 def run_point(kind: str, side: str, rows: int, length: int, args: argparse.Namespace) -> dict:
+    if args.quick:  # smoke test: in process (peak RSS is then the process's running peak)
+        if kind == "rollout":
+            out = point_rollout(side, rows, length, args.seed)
+        else:
+            saved = {k: os.environ.get(k) for k in ("GYRE_PACK", "GYRE_LOGPROB_CHUNK")}
+            try:
+                out = point_train(side, rows, length, args.vocab, args.seed)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        out["peak_rss_mib"] = _peak_mib()
+        return out
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
