@@ -68,12 +68,22 @@ def _new_cache(model: torch.nn.Module) -> DynamicCache:
 
 
 @dataclass
+class _Snapshot:
+    """The cache tensors of a batch at one step. Cache tensors are never written in place (every
+    append, gather or merge makes new ones), so holding references is a free, immutable copy."""
+
+    keys: list[torch.Tensor]  # per layer (B, H, L, D)
+    values: list[torch.Tensor]
+    colmask: torch.Tensor  # (B, L)
+
+
+@dataclass
 class _Parked:
-    """A finished session's cache: its real columns only, per layer (H, n, D)."""
+    """A finished session's cache: row ``row`` of a snapshot (no copy until it is re-admitted)."""
 
     fed: list[int]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    snap: _Snapshot
+    row: int
 
 
 @dataclass
@@ -109,13 +119,9 @@ class _Batch:
         self.logits = self.logits.index_select(0, idx)
         self.rows = [self.rows[i] for i in keep]
 
-    def park(self, i: int) -> _Parked:
-        cols = self.colmask[i].nonzero().squeeze(-1)
-        keys, values = [], []
-        for layer in self._layers():
-            keys.append(layer.keys[i].index_select(1, cols))
-            values.append(layer.values[i].index_select(1, cols))
-        return _Parked(list(self.rows[i].fed), keys, values)
+    def snapshot(self) -> _Snapshot:
+        layers = self._layers()
+        return _Snapshot([la.keys for la in layers], [la.values for la in layers], self.colmask)
 
     def widen(self, width: int) -> None:
         extra = width - self.colmask.shape[1]
@@ -294,10 +300,12 @@ class TorchEngine:
             self._sample(batch, pending, params, stop)
             finished = [i for i in pending if batch.rows[i].done]
             follow: list[GenerationRequest] = []
+            snap = batch.snapshot() if finished else None
             for i in finished:
                 row = batch.rows[i]
                 if row.session is not None:
-                    self._parked[row.session] = batch.park(i)
+                    assert snap is not None
+                    self._parked[row.session] = _Parked(list(row.fed), snap, i)
                 comp = Completion(row.out_ids, row.out_lp, row.reason)
                 results[row.index] = comp
                 if on_complete is not None:
@@ -366,26 +374,8 @@ class TorchEngine:
             uniq[key] = len(sources)
             row_of.append(len(sources))
             sources.append((None, list(req.prompt_ids)))
-        width = max((len(p.fed) for p, _ in sources if p is not None), default=0)
-        cache = _new_cache(self.model)
-        colmask = torch.zeros(len(sources), width, dtype=torch.long, device=self.device)
-        proto = [_Row(-1, None, 0, []) for _ in sources]
-        if width:
-            parked_rows = [(j, p) for j, (p, _) in enumerate(sources) if p is not None]
-            n_layers = len(parked_rows[0][1].keys)
-            H, _, D = parked_rows[0][1].keys[0].shape
-            like = parked_rows[0][1].keys[0]
-            for layer_i in range(n_layers):
-                k = like.new_zeros(len(sources), H, width, D)
-                v = like.new_zeros(len(sources), H, width, D)
-                for j, p in parked_rows:
-                    n = len(p.fed)
-                    k[j, :, :n] = p.keys[layer_i]
-                    v[j, :, :n] = p.values[layer_i]
-                cache.update(k, v, layer_i)
-            for j, p in parked_rows:
-                colmask[j, : len(p.fed)] = 1
-                proto[j].fed = list(p.fed)
+        cache, colmask = self._gather_parked(sources)
+        proto = [_Row(-1, None, 0, list(p.fed) if p is not None else []) for p, _ in sources]
         pre = _Batch(cache, colmask, proto, torch.empty(0))
         chunk = [prompt[len(proto[j].fed) :] for j, (_, prompt) in enumerate(sources)]
         pre.logits = self._feed(pre, chunk)
@@ -395,6 +385,71 @@ class TorchEngine:
             _Row(index, req.session, seed, list(req.prompt_ids)) for index, req, seed in items
         ]
         return pre
+
+    def _gather_parked(
+        self, sources: list[tuple[_Parked | None, list[int]]]
+    ) -> tuple[DynamicCache, torch.Tensor]:
+        """The cache of an admission batch: parked rows gathered from their snapshots (one
+        gather per snapshot and layer, none at all when a whole snapshot comes back in order),
+        fresh rows empty. Columns are padded (masked) to the widest snapshot."""
+        cache = _new_cache(self.model)
+        groups: dict[int, list[int]] = {}  # id(snapshot) -> source rows
+        for j, (p, _) in enumerate(sources):
+            if p is not None:
+                groups.setdefault(id(p.snap), []).append(j)
+        if not groups:
+            return cache, torch.zeros(len(sources), 0, dtype=torch.long, device=self.device)
+        parts: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = []
+        for rows in groups.values():
+            snap = sources[rows[0]][0].snap  # type: ignore[union-attr]
+            idx = [sources[j][0].row for j in rows]  # type: ignore[union-attr]
+            if idx == list(range(snap.colmask.shape[0])):
+                parts.append((rows, snap.keys, snap.values, snap.colmask))
+            else:
+                t = torch.tensor(idx, device=self.device)
+                parts.append(
+                    (
+                        rows,
+                        [k.index_select(0, t) for k in snap.keys],
+                        [v.index_select(0, t) for v in snap.values],
+                        snap.colmask.index_select(0, t),
+                    )
+                )
+        width = max(part[3].shape[1] for part in parts)
+        n_fresh = sum(1 for p, _ in sources if p is None)
+        order = [j for part in parts for j in part[0]] + [
+            j for j, (p, _) in enumerate(sources) if p is None
+        ]
+        pad = torch.nn.functional.pad
+        n_layers = len(parts[0][1])
+        for li in range(n_layers):
+            ks, vs = [], []
+            for _, keys, values, cm in parts:
+                extra = width - cm.shape[1]
+                ks.append(pad(keys[li], (0, 0, 0, extra)) if extra else keys[li])
+                vs.append(pad(values[li], (0, 0, 0, extra)) if extra else values[li])
+            if n_fresh:
+                _, H, _, D = ks[0].shape
+                ks.append(ks[0].new_zeros(n_fresh, H, width, D))
+                vs.append(vs[0].new_zeros(n_fresh, H, width, D))
+            k = ks[0] if len(ks) == 1 else torch.cat(ks, dim=0)
+            v = vs[0] if len(vs) == 1 else torch.cat(vs, dim=0)
+            layer = cache.layers[li]
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v  # no copy: nothing writes cache tensors in place
+        masks = [pad(cm, (0, width - cm.shape[1])) for *_, cm in parts]
+        if n_fresh:
+            masks.append(masks[0].new_zeros(n_fresh, width))
+        colmask = masks[0] if len(masks) == 1 else torch.cat(masks, dim=0)
+        if order != list(range(len(sources))):
+            inv = torch.empty(len(order), dtype=torch.long)
+            inv[torch.tensor(order)] = torch.arange(len(order))
+            inv = inv.to(self.device)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, inv)
+                layer.values = layer.values.index_select(0, inv)
+            colmask = colmask.index_select(0, inv)
+        return cache, colmask
 
     def _feed(self, batch: _Batch, chunk: list[list[int]]) -> torch.Tensor:
         """Append one right-padded chunk of tokens per row; return each row's last logits.
