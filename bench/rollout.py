@@ -310,6 +310,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side (R)")
     p.add_argument("--model", default="", help="local HF model folder (default: tiny gyre model)")
     p.add_argument("--seed", type=int, default=0, help="model init, prompts, env seeds, RNG")
+    p.add_argument(
+        "--compile", action="store_true", help="gyre: torch.compile the decode step (slow warm-up)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: smoke test")
     args = p.parse_args(argv)
     if args.quick:
@@ -341,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model, tokenizer = load_model(args.model or None, args.seed, workdir)
-    engine = TorchEngine(model, pad_token_id=tokenizer.pad_token_id, seed=args.seed)
+    engine = TorchEngine(
+        model, pad_token_id=tokenizer.pad_token_id, seed=args.seed, compile_decode=args.compile
+    )
     torch.manual_seed(args.seed)  # HF generate samples from the global RNG
 
     G = args.group_size
@@ -363,9 +368,12 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "single_turn": {"gyre": SideSummary(), "hf": SideSummary()},
         "multi_turn": {"gyre": SideSummary(), "hf": SideSummary()},
     }
-    for side in ("gyre", "hf"):  # warm-up, untimed
+    warmup: dict[str, float] = {}
+    for side in ("gyre", "hf"):  # warm-up, untimed (with --compile: includes compilation)
+        t0 = time.perf_counter()
         single[side]()
         multi[side](seeds[:1])
+        warmup[side] = round(time.perf_counter() - t0, 2)
     for _ in range(args.repeats):  # interleaved so background load hits both sides alike
         for side in ("gyre", "hf"):
             results["single_turn"][side].runs.append(single[side]())
@@ -388,7 +396,9 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "prefix_sharing": engine.prefix_sharing,
             "compaction": engine.compaction,
             "continuous": os.environ.get("GYRE_CONTINUOUS", "1"),
+            "compile_decode": args.compile,
         },
+        warmup_s=warmup,
         repeats=args.repeats,
         quick=args.quick,
         model=args.model or "tiny-default",
