@@ -4,6 +4,11 @@ An engine is stateless as far as callers can tell: a request carries the *full* 
 every turn (this is what the OpenAI-compatible completions API of vLLM / SGLang takes, where
 server-side prefix caching makes it cheap). An in-process engine may keep KV caches per
 ``session`` and reuse them when a new prompt extends the old one; results never depend on it.
+
+Optional: ``generate_continuous(requests, params, on_complete)`` (``TorchEngine`` has it) lets
+a finished completion's follow-up request join the running batch at once (continuous
+batching); ``gyre.rollout.run_episodes`` uses it when present and falls back to lockstep turns.
+A request's ``seed`` keys its own random stream, so batching never changes its tokens.
 """
 
 from __future__ import annotations
