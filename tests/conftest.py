@@ -62,3 +62,13 @@ def make_tiny_model(tokenizer) -> Callable[..., torch.nn.Module]:
         return model.eval()
 
     return make
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """``@pytest.mark.slow`` tests run only with GYRE_SLOW=1 (pyproject's marker promise)."""
+    if os.environ.get("GYRE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set GYRE_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

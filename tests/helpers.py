@@ -68,3 +68,58 @@ class RecordingEngine:
             for s, p, c in zip(call.sessions, call.prompts, call.completions, strict=True):
                 out.setdefault(s, []).append((p, c))
         return out
+
+
+def dp_batch(model: torch.nn.Module, n: int = 8, seed: int = 0):
+    """``n`` trajectories of unequal lengths whose rollout logprobs are ``model``'s own
+    (ratio 1), with advantages that sum to zero: a batch for data-parallel update checks."""
+    from gyre.policy import collate, token_logprobs
+    from gyre.types import Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i in range(n):
+        T = 6 + 3 * (i % 4)
+        ids = torch.randint(3, 40, (T,), generator=g).tolist()
+        mask = [0, 0] + [int(x) for x in (torch.rand(T - 2, generator=g) > 0.3)]
+        trajs.append(Trajectory(ids, mask, [0.0] * T, float(i % 2), i // 2, 0, 1, False, i))
+    batch = collate(trajs, 0, torch.device("cpu"))
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch)
+    for i, t in enumerate(trajs):
+        t.rollout_logprobs = (
+            lp[i, : len(t.token_ids)] * batch.loss_mask[i, : len(t.token_ids)]
+        ).tolist()
+    adv = torch.linspace(-1.0, 1.0, n)
+    return trajs, adv
+
+
+def dp_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> None:
+    """One gloo rank of tests/unit/test_ray_dp.py: for each loss aggregation, update a fresh
+    copy of the model on this rank's shard (its own micro-batch size) and save the weights."""
+    import torch.distributed as dist
+
+    from gyre.algos import LOSS_AGGREGATIONS
+    from gyre.distributed import TorchCollective
+    from gyre.model import load_pretrained
+    from gyre.policy import collate
+    from gyre.update import GRPOSettings, policy_update
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    comm = TorchCollective()
+    for agg in LOSS_AGGREGATIONS:
+        model, _ = load_pretrained(model_dir, torch.device("cpu"))
+        trajs, adv = dp_batch(model)
+        rows = len(trajs) // world
+        sl = slice(rank * rows, (rank + 1) * rows)
+        comm.broadcast_parameters(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        settings = GRPOSettings(micro_batch_size=1 + rank, loss_agg=agg, max_grad_norm=1e9)
+        batch = collate(trajs[sl], 0, torch.device("cpu"))
+        policy_update(model, opt, batch, adv[sl], settings, reduce_counts=comm.reduce_counts,
+                      sync_grads=comm.sync_gradients)  # fmt: skip
+        if rank == 0:
+            torch.save(model.state_dict(), f"{out_dir}/dp-{agg}.pt")
+    dist.destroy_process_group()

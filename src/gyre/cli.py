@@ -1,8 +1,16 @@
-"""``gyre``: train | sft | eval.
+"""``gyre``: train | sft | eval | verify-resume | report | serve | export | submit.
 
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
     gyre eval  [CONFIG.yaml] [key=value ...]   evaluate model.path on held-out seeds
+    gyre verify-resume [CONFIG.yaml] [key=value ...]   kill -9 + resume == uninterrupted?
+    gyre report RUN_DIR [--out FILE] [--watch]  HTML report of a finished or running run
+    gyre serve MODEL_DIR [--host H] [--port N] [--api-key KEY]   OpenAI-compatible server
+    gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
+    gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
+
+Exit codes: 0 done, 1 error, 2 config error, 3 aborted by a fault policy (faults.*), 75 stopped
+on SIGTERM/SIGINT after a checkpoint (resume with run.resume=auto), 130 second signal.
 
 With no config file the built-in maze default is used. Keys are dotted config paths, e.g.
 ``run.dir=runs/x train.steps=20 model.path=/models/my-llm``; ``--help-config`` lists them all.
@@ -14,13 +22,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from gyre.config import Config, ConfigError, describe_fields, load_config
 
 _KEYS_HELP = """common keys (all of them: gyre --help-config):
   run.dir=PATH          run directory (default runs/<env>-<timestamp>)
   run.seed=N            master seed
-  run.resume=auto       continue from the newest checkpoint in run.dir (or never, or a path)
+  run.resume=auto       continue from the newest valid checkpoint (or never, or a path)
+  run.overwrite=true    with run.resume=never, delete an earlier run in run.dir
   run.device=cpu        cpu, cuda, cuda:N or auto
   model.path=DIR        a local Hugging Face causal-LM folder (default: build the tiny model)
   sft.steps=N           SFT steps before GRPO (0 skips SFT)
@@ -40,11 +50,15 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "  gyre eval model.path=runs/a/final eval.episodes=500",
     )
     parser.add_argument("--help-config", action="store_true", help="list every config key")
-    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{train,sft,eval,verify-resume,report,serve,export,submit}"
+    )
     helps = {
         "train": "SFT warm start (if sft.steps > 0) then GRPO; the default runs the maze demo",
         "sft": "supervised warm start only; writes <run.dir>/sft/",
         "eval": "greedy and sampled success of model.path on held-out seeds",
+        "verify-resume": "run a config straight and SIGKILLed + resumed N times; check both "
+        "end bit-identical (docs/operations.md)",
     }
     for name, text in helps.items():
         p = sub.add_parser(
@@ -55,6 +69,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+        if name == "verify-resume":
+            p.add_argument("--kills", type=int, default=5, help="SIGKILLs (default 5)")
+            p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+            p.add_argument("--workdir", default="", help="where both runs go (default: a temp dir)")
+    sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
+    _add_submit(sub)
     ns = parser.parse_args(argv)
     if ns.help_config:
         print("\n".join(describe_fields()))
@@ -67,6 +87,43 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     if args and "=" not in args[0]:
         path = args.pop(0)
     return ns, load_config(path, args)
+
+
+def _add_submit(sub: Any) -> None:
+    text = "submit `gyre train` to a Ray cluster through the Ray Jobs API (needs gyre[ray])"
+    p = sub.add_parser(
+        "submit",
+        help=text,
+        description=text + ".",
+        epilog=_KEYS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    p.add_argument("--address", required=True, help="Ray dashboard address, http://HEAD:8265")
+    p.add_argument("--working-dir", default=".", help="uploaded as the job's working dir")
+    p.add_argument("--pip", action="append", default=[], help="pip package for the job's env")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for the job",
+    )
+    p.add_argument("--python", default="python", help="interpreter on the cluster")
+    p.add_argument("--no-follow", action="store_true", help="return after submitting")
+
+
+def _submit(ns: argparse.Namespace) -> int:
+    from gyre.runners.ray_submit import submit
+
+    args = list(ns.args)
+    config = args.pop(0) if args and "=" not in args[0] else None
+    env = dict(e.split("=", 1) for e in ns.env)
+    job_id, status = submit(
+        ns.address, config, args, ns.working_dir, not ns.no_follow, ns.pip, env, ns.python
+    )
+    print(f"job {job_id}: {status}")
+    return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
 
 
 def _table(rows: list[tuple[str, dict]]) -> str:
@@ -86,8 +143,17 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # takes a run dir, not config keys: its own parser
+        from gyre.telemetry.report import main as report_main
+
+        return report_main(argv[1:])
+    if argv and argv[0] in ("serve", "export"):  # these take paths and flags, not config keys
+        from gyre import export, server
+
+        return {"serve": server.main, "export": export.main}[argv[0]](argv[1:])
     try:
-        ns, cfg = _parse(sys.argv[1:] if argv is None else argv)
+        ns, cfg = _parse(argv)
     except ConfigError as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
@@ -96,7 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     from gyre import loop
 
+    if ns.command == "verify-resume":
+        from gyre.verify import verify_resume
+
+        raw = list(ns.args)
+        report = verify_resume(
+            raw, ns.kills, ns.seed, Path(ns.workdir) if ns.workdir else None, echo=True
+        )
+        print(report.summary())
+        return 0 if report.ok else 1
+    from gyre.checkpoint import CheckpointError
+    from gyre.resilience import EXIT_FAULTS, EXIT_PREEMPTED, FaultAbort, Preempted
+
     try:
+        if ns.command == "submit":
+            return _submit(ns)
         if ns.command == "train":
             s = loop.train(cfg)
             console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
@@ -117,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             res = loop.run_eval(cfg, TorchEngine(model, tok.pad_token_id, cfg.run.seed), tok)
             (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
             console.print(_table([(cfg.model.path, res)]))
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+    except Preempted as exc:
+        print(f"gyre: {exc}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except FaultAbort as exc:
+        print(f"gyre: aborted: {exc}", file=sys.stderr)
+        return EXIT_FAULTS
+    except (FileNotFoundError, FileExistsError, ValueError, CheckpointError, ImportError) as exc:
         print(f"gyre: error: {exc}", file=sys.stderr)
         return 1
     return 0

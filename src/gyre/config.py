@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -32,6 +39,20 @@ class RunConfig(_Section):
     )
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1' or 'auto'.")
     threads: int = Field(0, ge=0, description="Torch intra-op threads; 0 uses every core.")
+    overwrite: bool = Field(
+        False,
+        description="With run.resume=never, delete an earlier run in run.dir instead of refusing.",
+    )
+
+
+class LoraConfig(_Section):
+    rank: int = Field(8, gt=0, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | str = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names to adapt (peft target_modules), or 'all-linear'.",
+    )
 
 
 class ModelConfig(_Section):
@@ -43,6 +64,9 @@ class ModelConfig(_Section):
     num_heads: int = Field(4, gt=0, description="Tiny default: attention heads.")
     intermediate_size: int = Field(384, gt=0, description="Tiny default: MLP width.")
     max_positions: int = Field(1024, gt=0, description="Tiny default: longest context in tokens.")
+    lora: LoraConfig | None = Field(
+        None, description="LoRA adapter training (peft); null trains every weight."
+    )
 
 
 class MazeConfig(_Section):
@@ -71,11 +95,29 @@ class ArithmeticConfig(_Section):
     ops: str = Field("+-", min_length=1, description="Operators to draw from, e.g. '+-*'.")
 
 
+class DatasetConfig(_Section):
+    path: str = Field(
+        "", description="JSONL file, one task a line: {\"prompt\": ..., \"answer\": ..., ...}."
+    )
+    prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
+    answer_field: str = Field(
+        "answer", min_length=1, description="Row key holding the reference answer."
+    )
+    eval_rows: int = Field(
+        0, ge=0, description="Last N rows are held out for evaluation; 0 evaluates on all rows."
+    )
+
+
 class EnvConfig(_Section):
-    name: Literal["maze", "arithmetic"] = Field("maze", description="Which built-in environment.")
+    name: Literal["maze", "arithmetic", "dataset"] = Field(
+        "maze", description="Which built-in environment."
+    )
     maze: MazeConfig = Field(default_factory=MazeConfig, description="Maze settings.")
     arithmetic: ArithmeticConfig = Field(
         default_factory=ArithmeticConfig, description="Arithmetic settings."
+    )
+    dataset: DatasetConfig = Field(
+        default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
     )
 
 
@@ -96,6 +138,83 @@ class SFTConfig(_Section):
     )
 
 
+class AlgoConfig(_Section):
+    """The RL algorithm beyond GRPO's defaults; every formula is in docs/algorithms.md."""
+
+    advantage: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"
+    ] = Field("grpo", description="Advantage estimator (verl: adv_estimator).")
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "reinforce"] = Field(
+        "ppo_clip", description="Per-token policy loss; gspo wants clip_eps ~3e-4."
+    )
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="Upper clip eps (DAPO clip-higher 0.28); null = train.clip_eps."
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip c for negative advantages (3 is usual); null = off."
+    )
+    kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator (k3 clamped to [-10, 10]); coefficient is train.kl_coef."
+    )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="Apply the KL penalty as a loss term or subtract it from the reward."
+    )
+    entropy_coef: float = Field(0.0, description="Entropy bonus: loss -= coef * entropy.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    mini_batch_size: int = Field(
+        0, ge=0, description="Trajectories per optimizer step; 0 uses train.mini_batches."
+    )
+    loss_norm_len: int = Field(
+        0, ge=0, description="L of seq-mean-token-sum-norm; 0 = the step's longest row."
+    )
+    old_logprobs: Literal["auto", "recompute", "current", "rollout"] = Field(
+        "auto",
+        description="Old policy of the ratio: auto = trainer recompute when >1 update per batch, "
+        "else current detached; rollout = engine log-probs.",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (reinforce_pp, gae).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    value_model: Literal["critic", "head"] = Field(
+        "critic", description="gae: a separate critic, or a value head on the policy."
+    )
+    critic_lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the value model.")
+    vf_coef: float = Field(0.5, ge=0, description="Value-loss coefficient.")
+    value_clip: float = Field(0.2, gt=0, description="Clip range of the clipped value loss.")
+    rollout_is: Literal["none", "truncate", "mask"] = Field(
+        "none", description="Rollout importance sampling: truncated (TIS) or masked (MIS)."
+    )
+    rollout_is_level: Literal["token", "sequence"] = Field(
+        "token", description="IS weight per token or per sequence (product of token ratios)."
+    )
+    rollout_is_threshold: float = Field(
+        2.0, gt=1, description="TIS cap C / MIS upper bound on pi_old_train / pi_rollout."
+    )
+    rollout_is_threshold_lower: float = Field(
+        0.0, ge=0, lt=1, description="MIS lower bound; 0 = 1 / rollout_is_threshold."
+    )
+
+
+class DapoConfig(_Section):
+    """DAPO's sampling-side parts (arXiv:2503.14476); clip-higher is train.algo.clip_eps_high."""
+
+    dynamic_sampling: bool = Field(
+        False, description="Drop zero-reward-variance groups and sample more tasks to refill."
+    )
+    max_rounds: int = Field(
+        4, gt=0, description="Most rollout rounds per step when refilling the batch."
+    )
+    overlong_buffer_len: int = Field(
+        0, ge=0, description="Soft overlong punishment buffer in policy tokens; 0 = off."
+    )
+    overlong_max_len: int = Field(
+        0, ge=0, description="L_max in policy tokens per episode; 0 = max_new_tokens."
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Largest overlong penalty.")
+    mask_truncated: bool = Field(
+        False, description="Drop from the loss episodes whose last turn hit max_new_tokens."
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(60, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
@@ -107,9 +226,12 @@ class TrainConfig(_Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient; 0 loads no ref.")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon in the group std normalisation.")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = Field(
         "seq-mean-token-mean",
-        description="How token losses combine: per token, or per sequence then averaged.",
+        description="How token losses combine: per token, or per sequence then averaged "
+        "(docs/algorithms.md).",
     )
     mini_batches: int = Field(
         4, gt=0, description="Optimizer steps per rollout batch (PPO mini-batches)."
@@ -121,6 +243,56 @@ class TrainConfig(_Section):
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig, description="Rollout sampling parameters."
     )
+    algo: AlgoConfig = Field(
+        default_factory=AlgoConfig,
+        description="Estimator, policy loss, KL, epochs, off-policy correction.",
+    )
+    dapo: DapoConfig = Field(
+        default_factory=DapoConfig,
+        description="DAPO dynamic sampling and overlong handling.",
+    )
+
+
+class EngineConfig(_Section):
+    kind: Literal["torch", "http"] = Field(
+        "torch", description="torch: in-process engine; http: OpenAI-compatible servers."
+    )
+    urls: list[str] = Field(
+        default_factory=list, description="http: server base URLs, e.g. http://10.0.0.5:8000."
+    )
+    api: Literal["openai", "sglang"] = Field(
+        "openai",
+        description="http: openai = /v1/completions + /v1/load_lora_adapter (vLLM, gyre serve); "
+        "sglang = SGLang's native /generate + /load_lora_adapter.",
+    )
+    api_key: str = Field("", description="http: bearer token sent to every server.")
+    model: str = Field("", description="http: served base model name; empty asks /v1/models.")
+    timeout_s: float = Field(120.0, gt=0, description="http: per-request timeout in seconds.")
+    max_retries: int = Field(
+        8, ge=0, description="http: retries of one request on other servers before giving up."
+    )
+    health_interval_s: float = Field(
+        1.0, gt=0, description="http: how often dead servers are probed to be put back."
+    )
+    max_concurrency: int = Field(
+        64, gt=0, description="http: requests in flight at once across all servers."
+    )
+    sync_dir: str = Field(
+        "", description="Where weights/adapters are written for engines; empty = <run.dir>/sync."
+    )
+    sync_every: int = Field(1, gt=0, description="Sync the engines every N policy updates.")
+    sync_keep: int = Field(2, ge=1, description="Synced versions kept on disk.")
+    weight_sync: Literal["memory", "disk"] = Field(
+        "memory",
+        description="torch engine only: copy tensors in memory, or go through sync_dir files "
+        "(http engines always use disk).",
+    )
+
+    @model_validator(mode="after")
+    def _need_urls(self) -> EngineConfig:
+        if self.kind == "http" and not self.urls:
+            raise ValueError("engine.urls must list at least one server when engine.kind=http")
+        return self
 
 
 class EvalConfig(_Section):
@@ -132,6 +304,32 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(20, ge=0, description="Checkpoint every N GRPO steps; 0 only at the end.")
     keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+    keep_every: int = Field(
+        0, ge=0, description="Also keep every checkpoint whose step is a multiple of this; 0: none."
+    )
+    sft_every: int = Field(
+        100, ge=0, description="Checkpoint every N SFT steps (resumable SFT); 0: never."
+    )
+    dir: str = Field(
+        "",
+        description="Checkpoint root: a path or fsspec URL (s3://... needs s3fs); "
+        "empty: <run.dir>/checkpoints.",
+    )
+    on_error: Literal["stop", "continue"] = Field(
+        "stop", description="A failed checkpoint write (e.g. disk full): stop the run or go on."
+    )
+
+
+class FaultsConfig(_Section):
+    max_nonfinite_streak: int = Field(
+        3, ge=1, description="Abort after this many steps in a row with a NaN/inf loss or grad."
+    )
+    max_failed_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Abort when more than this share of all episodes so far raised in the env.",
+    )
 
 
 class LogConfig(_Section):
@@ -146,6 +344,164 @@ class LogConfig(_Section):
         return "off" if v is False else v
 
 
+class RoleResources(_Section):
+    num_cpus: float = Field(1.0, ge=0, description="Logical CPUs one actor of this role reserves.")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs one actor of this role reserves (fractions share a GPU)."
+    )
+
+
+class RayConfig(_Section):
+    """The Ray runner (``runner: ray``): actors, placement, async mode and recovery."""
+
+    address: str = Field(
+        "",
+        description="'' starts a local Ray cluster (or joins RAY_ADDRESS when set, as inside a "
+        "submitted job); 'auto' or 'ray://host:10001' joins an existing one.",
+    )
+    num_cpus: int = Field(0, ge=0, description="Logical CPUs of a local cluster; 0 detects them.")
+    temp_dir: str = Field("", description="Ray's session directory for a local cluster.")
+    namespace: str = Field("gyre", description="Ray namespace; actors are named inside it.")
+    rollout_workers: int = Field(2, gt=0, description="Rollout actors (engine + env factory).")
+    trainer_ranks: int = Field(
+        1, gt=0, description="Trainer actors doing data-parallel updates over torch.distributed."
+    )
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "disaggregated",
+        description="colocated: roles share bundles and alternate; disaggregated: own bundles, "
+        "generation overlaps training.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the bundles."
+    )
+    rollout: RoleResources = Field(
+        default_factory=RoleResources, description="Resources of one rollout actor."
+    )
+    trainer: RoleResources = Field(
+        default_factory=RoleResources, description="Resources of one trainer actor."
+    )
+    mode: Literal["sync", "one-step-off", "async"] = Field(
+        "sync",
+        description="sync: generate then train; one-step-off: generate batch n+1 while training "
+        "n; async: generation runs up to ray.async_ahead batches ahead.",
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="A trajectory of policy v trains version v+k only while k <= this."
+    )
+    async_ahead: int = Field(
+        -1, ge=-1, description="async mode: batches generation may run ahead; -1 = max_staleness."
+    )
+    tasks_per_share: int = Field(
+        0,
+        ge=0,
+        description="Tasks in one unit of rollout work handed to a worker; 0 = tasks_per_step / "
+        "rollout_workers (rounded up to a divisor).",
+    )
+    strategy: Literal["auto", "ddp", "fsdp2"] = Field(
+        "auto", description="Data parallelism: ddp (gloo, CPU) or fsdp2 (nccl, GPU); auto picks."
+    )
+    max_rollout_restarts: int = Field(
+        8, ge=0, description="Dead rollout actors replaced before the run fails."
+    )
+    max_trainer_restarts: int = Field(
+        2, ge=0, description="Trainer-group restarts from the latest checkpoint before failing."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, v: str) -> str:
+        if v not in ("", "auto", "local") and not v.startswith(("ray://", "http")) and ":" not in v:
+            raise ValueError("use '', 'auto', 'local', 'ray://HOST:PORT' or 'HOST:PORT'")
+        return v
+
+
+class RewardFnConfig(_Section):
+    fn: str = Field(description="Import path 'module:function' of a batched reward function.")
+    name: str = Field("", description="Metric name (reward/<name>_mean); default: function name.")
+    weight: float = Field(1.0, description="Weight of this term in the total reward.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments passed on every call."
+    )
+    sandbox: bool = Field(
+        False, description="Run in the sandbox (subprocess, time/memory limits, no network)."
+    )
+
+    @field_validator("fn")
+    @classmethod
+    def _import_path(cls, v: str) -> str:
+        mod, sep, attr = v.partition(":")
+        if not sep or not mod.strip() or not attr.strip():
+            raise ValueError(f"expected 'module:function', got {v!r}")
+        return v
+
+
+class SandboxConfig(_Section):
+    timeout_s: float = Field(10.0, gt=0, description="Wall-time limit of one sandboxed call.")
+    memory_mb: int = Field(
+        1024, ge=64, description="Address-space limit (RLIMIT_AS) of a sandbox worker, in MiB."
+    )
+    network: Literal["deny", "allow"] = Field(
+        "deny",
+        description="deny: a new user+network namespace (no interfaces); fails loudly if the "
+        "kernel refuses. allow: no network isolation.",
+    )
+    workers: int = Field(2, gt=0, description="Worker processes, reused across calls.")
+    failure_reward: float = Field(0.0, description="Reward given to a sample whose call failed.")
+    max_failure_frac: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run when more than this fraction of a step's sandboxed calls fail.",
+    )
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFnConfig] = Field(
+        default_factory=list,
+        description="Reward functions, each {fn: 'module:function', name, weight, kwargs, "
+        "sandbox}; empty uses the env's own reward exactly.",
+    )
+    env_weight: float = Field(
+        1.0, description="Weight of the env's reward (the term 'env') when functions are set."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Limits for functions with sandbox: true."
+    )
+
+
+class TelemetryConfig(_Section):
+    tensorboard: bool = Field(False, description="Write TensorBoard event files to <run.dir>/tb.")
+    prometheus_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics on this port (0: any free port); None: no exporter.",
+    )
+    prometheus_host: str = Field(
+        "127.0.0.1", description="Address the Prometheus exporter binds (loopback by default)."
+    )
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs gyre[wandb]).")
+    wandb_project: str = Field("gyre", description="wandb project name.")
+    mlflow: bool = Field(False, description="Log to MLflow (needs gyre[mlflow]).")
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow tracking URI; empty uses MLflow's default (MLFLOW_TRACKING_URI)."
+    )
+    samples: float = Field(
+        0.0625,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of each step's trajectories written to <run.dir>/samples.jsonl.",
+    )
+
+    @field_validator("prometheus_port", mode="before")
+    @classmethod
+    def _port_off(cls, v: Any) -> Any:
+        # 'off', 'none' or 'null' on the command line (or `off` in YAML, read as False) disable it.
+        if v is False or (isinstance(v, str) and v.strip().lower() in ("off", "none", "null", "")):
+            return None
+        return v
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
@@ -157,6 +513,22 @@ class Config(_Section):
         default_factory=CheckpointConfig, description="Checkpointing."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")
+    telemetry: TelemetryConfig = Field(
+        default_factory=TelemetryConfig, description="Metric sinks, exporter and samples."
+    )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="Reward functions beyond the env's reward."
+    )
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="Rollout engine and weight sync."
+    )
+    faults: FaultsConfig = Field(
+        default_factory=FaultsConfig, description="Fault tolerance policies."
+    )
+    runner: Literal["local", "ray"] = Field(
+        "local", description="local: one process; ray: rollout and trainer actors on Ray."
+    )
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray runner settings.")
 
     @field_validator("run")
     @classmethod
@@ -164,6 +536,56 @@ class Config(_Section):
         if v.resume not in ("auto", "never") and not v.resume:
             raise ValueError("run.resume must be 'auto', 'never' or a path")
         return v
+
+    @model_validator(mode="after")
+    def _check_ray(self) -> Config:
+        if self.runner == "ray":
+            check_ray_config(self)
+        return self
+
+
+def check_ray_config(cfg: Config) -> None:
+    """Errors that name the field, raised before any actor starts."""
+    r, t = cfg.ray, cfg.train
+    if r.placement == "colocated" and r.mode != "sync":
+        raise ValueError(
+            f"ray.mode={r.mode!r} needs ray.placement=disaggregated: colocated roles share "
+            "devices and alternate, so generation cannot overlap training"
+        )
+    share = r.tasks_per_share or tasks_per_share(t.tasks_per_step, r.rollout_workers)
+    if t.tasks_per_step % share:
+        raise ValueError(
+            f"ray.tasks_per_share={share} must divide train.tasks_per_step={t.tasks_per_step}"
+        )
+    if t.tasks_per_step % r.trainer_ranks:
+        raise ValueError(
+            f"ray.trainer_ranks={r.trainer_ranks} must divide "
+            f"train.tasks_per_step={t.tasks_per_step} (every rank trains whole groups)"
+        )
+    if t.algo.advantage == "gae":
+        raise ValueError("train.algo.advantage='gae' is not supported with runner=ray yet")
+    if t.algo.advantage.startswith("reinforce_pp") and r.trainer_ranks > 1:
+        raise ValueError(
+            f"train.algo.advantage={t.algo.advantage!r} whitens over the whole batch; with "
+            "runner=ray it needs ray.trainer_ranks=1"
+        )
+    if t.dapo.dynamic_sampling:
+        raise ValueError("train.dapo.dynamic_sampling is not supported with runner=ray yet")
+    if cfg.reward.functions:
+        raise ValueError("reward.functions are not supported with runner=ray yet")
+    if cfg.model.lora is not None:
+        raise ValueError("model.lora is not supported with runner=ray yet (use runner=local)")
+    if cfg.engine.kind != "torch":
+        raise ValueError(
+            f"engine.kind={cfg.engine.kind!r} is not supported with runner=ray yet: the rollout "
+            "workers run in-process torch engines"
+        )
+
+
+def tasks_per_share(tasks_per_step: int, workers: int) -> int:
+    """The default unit of rollout work: the smallest divisor of the step >= step / workers."""
+    want = -(-tasks_per_step // workers)
+    return next(d for d in range(want, tasks_per_step + 1) if tasks_per_step % d == 0)
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -206,10 +628,16 @@ def _describe(errors: ValidationError, tree: dict[str, Any]) -> str:
     lines = []
     for err in errors.errors():
         loc = [str(p) for p in err["loc"]]
+        if not loc:  # a cross-field check (e.g. the ray section); its message names the fields
+            lines.append(err["msg"].removeprefix("Value error, "))
+            continue
         key = ".".join(loc)
         node: Any = tree
         for p in loc:
-            node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
+            if isinstance(node, list) and p.isdigit() and int(p) < len(node):
+                node = node[int(p)]  # list items, e.g. reward.functions.0.fn
+            else:
+                node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown config key '{key}' (value {node!r})")
         else:

@@ -6,7 +6,7 @@ so its position ids are 0..T-1 -- the same positions the engine used for the sam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,10 @@ class TokenBatch:
     attention_mask: torch.Tensor  # (B, T) long, 1 on real tokens
     loss_mask: torch.Tensor  # (B, T) float, 1 on policy-generated tokens
     rollout_logprobs: torch.Tensor  # (B, T) float, sampler log-probs (0 off the mask)
+    # Per-row (B,) or per-token (B, T) tensors the update needs besides the tokens, e.g. the
+    # recomputed old log-probs, reference log-probs, values, per-token advantages. rows() slices
+    # them like the fields above.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -36,11 +40,15 @@ class TokenBatch:
             self.rollout_logprobs[index],
         )
         width = int(sub.attention_mask.sum(dim=1).max().item())  # trim shared padding
+        extras = {
+            k: (v[index][:, :width] if v.dim() == 2 else v[index]) for k, v in self.extras.items()
+        }
         return TokenBatch(
             sub.input_ids[:, :width],
             sub.attention_mask[:, :width],
             sub.loss_mask[:, :width],
             sub.rollout_logprobs[:, :width],
+            extras,
         )
 
 
@@ -71,6 +79,7 @@ def token_logprobs(
     top_p: float = 1.0,
     with_entropy: bool = False,
     options: ScoringOptions | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, under the sampling distribution.
 
@@ -80,9 +89,11 @@ def token_logprobs(
     computed and the full-vocab log-softmax is never materialised for all positions at once;
     the values are those of the plain path (padding positions read 0). ``options`` overrides
     the defaults (``GYRE_PACK`` / ``GYRE_LOGPROB_CHUNK``); with both off this is the plain path.
+    ``entropy_grad`` (an entropy bonus in the loss) takes the plain path: the fast path's
+    entropy is a detached metric.
     """
     opts = options or ScoringOptions.from_env()
-    if opts.pack or opts.chunk > 0:
+    if (opts.pack or opts.chunk > 0) and not (with_entropy and entropy_grad):
         fast = chunked_token_logprobs(
             model, batch.input_ids, batch.attention_mask, 0, temperature, top_p, opts
         )
@@ -90,13 +101,31 @@ def token_logprobs(
             tok, ent = fast
             return tok, ent if with_entropy else None
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return logits_to_token_logprobs(
+        logits, batch.input_ids, temperature, top_p, with_entropy, entropy_grad
+    )
+
+
+def logits_to_token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs` from already computed logits (B, T, V).
+
+    ``entropy_grad`` keeps the entropy in the autograd graph (for an entropy bonus); otherwise it
+    is a detached metric.
+    """
     logp = sampling_logprobs(logits[:, :-1], temperature, top_p)  # (B, T-1, V)
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)
+    targets = input_ids[:, 1:].unsqueeze(-1)
     tok = logp.gather(-1, targets).squeeze(-1)  # (B, T-1)
     tok = torch.nn.functional.pad(tok, (1, 0))
     ent = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             p = logp.exp()
             e = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
             ent = torch.nn.functional.pad(e, (1, 0))

@@ -8,8 +8,10 @@ The policy's own tokens are never re-tokenised, so the trainer scores exactly wh
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -21,6 +23,7 @@ from gyre.envs.base import Demonstrator, Env
 from gyre.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
 _SESSION_COUNTER = iter(range(1 << 62))
+_log = logging.getLogger("gyre.rollout")
 
 
 @dataclass
@@ -28,6 +31,7 @@ class RolloutStats:
     seconds: float = 0.0
     generated_tokens: int = 0
     turns: int = 0
+    failed_episodes: int = 0  # episodes whose env raised (see run_episodes)
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,15 +97,24 @@ def run_episodes(
     ids: list[list[int]] = []
     mask: list[list[int]] = []
     lps: list[list[float]] = []
+    infos: list[dict] = [{} for _ in range(n)]
+    failed: set[int] = set()
     for k, seed in enumerate(task_seeds):
         for j in range(group_size):
-            first = prompt_ids(tokenizer, envs[k * group_size + j].reset(int(seed)))
+            i = k * group_size + j
+            try:
+                first_obs = envs[i].reset(int(seed))
+            except Exception:
+                infos[i] = _env_failure(i, int(seed), "reset")
+                failed.add(i)
+                first_obs = ""
+            first = prompt_ids(tokenizer, first_obs) or [tokenizer.pad_token_id]
             ids.append(first)
             mask.append([0] * len(first))
             lps.append([0.0] * len(first))
     reward = [0.0] * n
     turns = [0] * n
-    infos: list[dict] = [{} for _ in range(n)]
+    truncated = [False] * n
     gen_tokens = 0
     base_seed = params.seed
     # Seed once per rollout: re-seeding every turn would replay the same random draws.
@@ -113,16 +126,25 @@ def run_episodes(
         )
 
     def finish_turn(i: int, out: Completion) -> bool:
-        """Append the action and the env's answer to episode i; True if it goes on."""
+        """Append the action and the env's answer to episode i; True if it goes on.
+
+        An env that raises in ``step`` ends the episode as failed (see :func:`_env_failure`).
+        """
         nonlocal gen_tokens
         ids[i].extend(out.token_ids)
         mask[i].extend([1] * len(out.token_ids))
         lps[i].extend(out.logprobs)
         gen_tokens += len(out.token_ids)
+        truncated[i] = out.finish_reason == "length"
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        obs, r, done, info = envs[i].step(text)
-        reward[i] += r
         turns[i] += 1
+        try:
+            obs, r, done, info = envs[i].step(text)
+        except Exception:
+            infos[i] = _env_failure(i, int(task_seeds[i // group_size]), "step")
+            failed.add(i)
+            return False
+        reward[i] += r
         infos[i] = info
         if done:
             return False
@@ -132,10 +154,11 @@ def run_episodes(
         lps[i].extend([0.0] * len(obs_ids))
         return True
 
+    start = [i for i in range(n) if i not in failed]  # episodes whose reset succeeded
     if continuous and hasattr(engine, "generate_continuous"):
         # Continuous batching: an episode's next turn joins the running batch the moment its
         # action is done, instead of waiting for every other episode's turn to finish.
-        episode_of = list(range(n))
+        episode_of = list(start)
 
         def on_complete(index: int, out: Completion) -> GenerationRequest | None:
             i = episode_of[index]
@@ -145,15 +168,19 @@ def run_episodes(
             episode_of.append(i)
             return request(i)
 
-        engine.generate_continuous([request(i) for i in range(n)], params, on_complete)
+        if start:
+            engine.generate_continuous([request(i) for i in start], params, on_complete)
     else:
-        active = list(range(n))
+        active = start
         while active:
             outs = engine.generate([request(i) for i in active], params)
             still = [i for i, out in zip(active, outs, strict=True) if finish_turn(i, out)]
             kept = set(still)
             engine.release(sessions[i] for i in active if i not in kept)
             active = still
+    for i in failed:  # a failed episode is kept for the record but never trained on
+        mask[i] = [0] * len(mask[i])
+        reward[i] = 0.0
     trajs = [
         Trajectory(
             token_ids=ids[i],
@@ -166,6 +193,7 @@ def run_episodes(
             success=bool(infos[i].get("success", False)),
             task_seed=int(task_seeds[i // group_size]),
             info=infos[i],
+            truncated=truncated[i],
         )
         for i in range(n)
     ]
@@ -173,7 +201,21 @@ def run_episodes(
         stats.seconds += time.perf_counter() - t0
         stats.generated_tokens += gen_tokens
         stats.turns += sum(turns)
+        stats.failed_episodes += len(failed)
     return trajs
+
+
+def _env_failure(episode: int, seed: int, where: str) -> dict:
+    """Log an env exception with its traceback and return the failed episode's info.
+
+    The episode ends there with reward 0 and an all-zero loss mask (nothing is learned from
+    it); ``info["failed"]`` marks it so the loop can count failures against
+    ``faults.max_failed_fraction``.
+    """
+    tb = traceback.format_exc()
+    _log.warning("env %s raised in episode %d (task seed %d); episode marked failed:\n%s",
+                 where, episode, seed, tb)
+    return {"success": False, "failed": True, "error": tb.strip().splitlines()[-1]}
 
 
 def demonstrate(

@@ -22,6 +22,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_logprobs: int = 0  # also return the k most likely tokens' logprobs at every step
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Completion:
     token_ids: list[int]  # (N,) generated tokens, including a stop token if one was hit
     logprobs: list[float]  # (N,) log-prob of each token under the distribution sampled from
     finish_reason: str  # "stop" or "length"
+    top_logprobs: list[dict[int, float]] | None = None  # (N,) k best {token id: logprob}, if asked
 
 
 @dataclass
@@ -63,6 +65,8 @@ class Trajectory:
     success: bool
     task_seed: int
     info: dict[str, Any] = field(default_factory=dict)
+    truncated: bool = False  # the episode's last completion hit max_new_tokens (no stop token)
+    traj_id: str = ""  # unique in a run ("<task index>:<sample>") where a runner assigns it
 
     @property
     def num_generated(self) -> int:

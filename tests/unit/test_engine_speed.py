@@ -159,3 +159,46 @@ def test_keyed_uniforms_are_per_key_and_uniform():
     assert not torch.equal(w, u[:1000])
     assert turn_seed(None, 0, 0) is None
     assert turn_seed(1, 0, 0) != turn_seed(1, 0, 1) != turn_seed(1, 1, 0)
+
+
+def test_top_logprobs_in_a_shared_batch_equal_one_at_a_time(tokenizer, make_tiny_model):
+    """``top_logprobs`` (gyre serve's OpenAI ``logprobs``) come with the keyed, batched path:
+    k entries per token, best first, the sampled token's logprob among them when it ranks."""
+    model = make_tiny_model(seed=13, sharp=True)
+    reqs = [GenerationRequest(p, seed=7 * i) for i, p in enumerate(_prompts(tokenizer) * 2)]
+    params = SamplingParams(0.8, 0.95, 6, (), top_logprobs=3)
+    got = TorchEngine(model, tokenizer.pad_token_id).generate(reqs, params)
+    plain = TorchEngine(model, tokenizer.pad_token_id, prefix_sharing=False, compaction=False)
+    want = [plain.generate([r], params)[0] for r in reqs]
+    _assert_same(got, want)
+    for c, w in zip(got, want, strict=True):
+        assert c.top_logprobs is not None and w.top_logprobs is not None
+        assert len(c.top_logprobs) == len(c.token_ids)
+        for top, top_w, tok, lp in zip(c.top_logprobs, w.top_logprobs, c.token_ids, c.logprobs,
+                                       strict=True):
+            assert list(top) == list(top_w) and len(top) == 3
+            assert list(top.values()) == sorted(top.values(), reverse=True)
+            if tok in top:
+                assert top[tok] == pytest.approx(lp, abs=1e-5)
+            else:
+                assert lp <= min(top.values()) + 1e-5
+    no_top = TorchEngine(model, tokenizer.pad_token_id).generate(
+        reqs[:1], SamplingParams(0.8, 0.95, 6, ())
+    )
+    assert no_top[0].top_logprobs is None
+
+
+def test_decode_step_follows_a_replaced_model(tokenizer, make_tiny_model):
+    """``load_adapter`` / ``gyre serve`` replace ``engine.model`` (a peft wrapper); the decode
+    step (compiled or not) must run the new object, never a stale one."""
+    a, b = make_tiny_model(seed=1), make_tiny_model(seed=2)
+    eager = TorchEngine(a, tokenizer.pad_token_id)
+    assert eager._decode_model() is a
+    eager.model = b
+    assert eager._decode_model() is b
+    compiled = TorchEngine(a, tokenizer.pad_token_id, compile_decode=True)
+    first = compiled._decode_model()  # torch.compile is lazy: nothing compiles until called
+    assert compiled._decode_model() is first
+    compiled.model = b
+    second = compiled._decode_model()
+    assert second is not first and compiled._compiled_of is b

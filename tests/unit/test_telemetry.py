@@ -51,3 +51,41 @@ def test_timed_accumulates():
     with timed(m, "t"):
         time.sleep(0.01)
     assert first >= 0.009 and m["t"] >= first + 0.009
+
+
+def test_console_plain_lines_show_phases_and_eta(capsys, monkeypatch):
+    from gyre.telemetry import sinks
+
+    clock = iter([100.0, 110.0, 130.0])
+    monkeypatch.setattr(sinks.time, "perf_counter", lambda: next(clock))
+    c = sinks.ConsoleSink(10, "plain")
+    c.log(0, {"eval/success_greedy": 0.5})
+    c.log(1, {"rollout/reward_mean": 0.25, "time/rollout_s": 1.5, "time/train_s": 0.25})
+    c.log(2, {"rollout/reward_mean": 0.5, "perf/rollout_tokens_per_s": 1234.0})
+    c.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step 0/10  eval 0.500"
+    # 10 s for the first step, 9 steps left -> 90 s
+    assert lines[1] == "step 1/10  reward 0.250  | phases: rollout 1.50s train 0.25s  ETA 1m30s"
+    # (130 - 100) / 2 steps * 8 left = 120 s
+    assert lines[2] == "step 2/10  reward 0.500  tok/s 1234  | ETA 2m00s"
+
+
+def test_console_rich_live_view_renders():
+    import io
+
+    from rich.console import Console
+
+    from gyre.telemetry.sinks import ConsoleSink, format_duration
+
+    buf = io.StringIO()
+    con = Console(file=buf, force_terminal=True, width=160)
+    c = ConsoleSink(4, "rich", console=con)
+    c.log(0, {"eval/success_greedy": 0.5})
+    c.log(1, {"rollout/reward_mean": 0.75, "rollout/success_rate": 0.5, "time/rollout_s": 2.0})
+    c.message("hello")
+    c.close()
+    out = buf.getvalue()
+    for text in ("GRPO", "1/4", "reward 0.750", "success 0.500", "rollout 2.00s", "ETA", "hello"):
+        assert text in out, text
+    assert [format_duration(s) for s in (5, 75, 3725)] == ["5s", "1m15s", "1h02m"]

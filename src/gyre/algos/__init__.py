@@ -1,13 +1,67 @@
-"""Pure tensor functions for policy-gradient post-training. No engines, runners or envs here."""
+"""Pure tensor functions for policy-gradient post-training. No engines, runners or envs here.
 
-from gyre.algos.advantages import ADVANTAGES, get_advantage_fn, grpo_advantages
-from gyre.algos.losses import kl_k3, masked_token_sum, ppo_clip_loss
+Three axes kept apart: the advantage estimator (:mod:`.advantages`), the per-token policy loss
+(:mod:`.losses`) and the loss aggregation (:mod:`.aggregate`); plus KL estimators
+(:mod:`.losses`) and the rollout importance-sampling correction (:mod:`.correction`).
+"""
+
+from gyre.algos.advantages import (
+    ADVANTAGES,
+    TOKEN_LEVEL,
+    compute_advantages,
+    dr_grpo_advantages,
+    gae_advantages,
+    get_advantage_fn,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from gyre.algos.aggregate import LOSS_AGGREGATIONS, StepCounts, agg_weights, aggregate
+from gyre.algos.correction import rollout_is_weights
+from gyre.algos.losses import (
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    LossParams,
+    cispo_loss,
+    get_kl_fn,
+    get_policy_loss_fn,
+    gspo_loss,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    masked_token_sum,
+    ppo_clip_loss,
+    reinforce_loss,
+)
 
 __all__ = [
     "ADVANTAGES",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "TOKEN_LEVEL",
+    "LossParams",
+    "StepCounts",
+    "agg_weights",
+    "aggregate",
+    "cispo_loss",
+    "compute_advantages",
+    "dr_grpo_advantages",
+    "gae_advantages",
     "get_advantage_fn",
+    "get_kl_fn",
+    "get_policy_loss_fn",
     "grpo_advantages",
+    "gspo_loss",
+    "kl_k1",
+    "kl_k2",
     "kl_k3",
     "masked_token_sum",
     "ppo_clip_loss",
+    "reinforce_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "rollout_is_weights",
 ]

@@ -1,13 +1,42 @@
-"""Advantage estimators: ``(rewards (N,), group_ids (N,)) -> advantages (N,)``.
+"""Advantage estimators: pure tensor functions, looked up by name in :data:`ADVANTAGES`.
 
-To add one, write a function with that signature and add it to :data:`ADVANTAGES`.
+Two kinds, both in the one registry:
+
+- **outcome** estimators map one scalar reward per trajectory to one advantage per trajectory:
+  ``fn(rewards (N,), group_ids (N,), *, eps) -> (N,)`` -- ``grpo``, ``dr_grpo``, ``rloo``.
+- **token** estimators need the loss mask and give one advantage per token:
+  ``fn(rewards (N,), group_ids (N,), *, loss_mask (N, T), token_rewards (N, T) | None, ...)
+  -> (N, T)`` -- ``reinforce_pp``, ``reinforce_pp_baseline``, ``gae`` (which also returns the
+  value targets).
+
+:func:`compute_advantages` calls any of them with the same keyword bundle, so the training loop
+does not branch on the name. To add one: write the function, add it to :data:`ADVANTAGES`, and
+to :data:`TOKEN_LEVEL` if it returns (N, T). The formulas and papers are in docs/algorithms.md.
+
+Token convention (see gyre.types): position t of a row holds token t; ``loss_mask[t] == 1`` on
+policy-written tokens. In a multi-turn episode the observation tokens between turns are not
+time steps: discounting and GAE run over the policy tokens only, in order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+
+def _group_stats(
+    rewards: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-trajectory (group mean, group unbiased std, group size), vectorised by scatter."""
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    G = int(inv.max().item()) + 1
+    count = torch.zeros(G).scatter_add_(0, inv, torch.ones_like(rewards))
+    mean = torch.zeros(G).scatter_add_(0, inv, rewards) / count
+    dev = rewards - mean[inv]
+    var = torch.zeros(G).scatter_add_(0, inv, dev**2) / (count - 1).clamp(min=1)
+    return mean[inv], var.sqrt()[inv], count[inv]
 
 
 def grpo_advantages(
@@ -18,18 +47,182 @@ def grpo_advantages(
     std is the unbiased sample std within the group (as verl and TRL use). A group whose rewards
     are all equal gets advantage 0 for every member. Each group's advantages sum to zero.
     """
-    rewards = rewards.float()
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    G = int(inv.max().item()) + 1
-    count = torch.zeros(G).scatter_add_(0, inv, torch.ones_like(rewards))
-    mean = torch.zeros(G).scatter_add_(0, inv, rewards) / count
-    dev = rewards - mean[inv]
-    var = torch.zeros(G).scatter_add_(0, inv, dev**2) / (count - 1).clamp(min=1)
-    return dev / (var.sqrt()[inv] + eps)
+    rewards = rewards.float().cpu()
+    mean, std, _ = _group_stats(rewards, group_ids.cpu())
+    return (rewards - mean) / (std + eps)
 
 
-AdvantageFn = Callable[..., torch.Tensor]
-ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo_advantages}
+def dr_grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): A_i = r_i - mean_G, no std division.
+
+    Dividing by the group std up-weights groups whose rewards barely differ (question-difficulty
+    bias); Dr. GRPO drops it. ``eps`` is accepted for a uniform signature and unused.
+    """
+    rewards = rewards.float().cpu()
+    mean, _, _ = _group_stats(rewards, group_ids.cpu())
+    return rewards - mean
+
+
+def rloo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): A_i = r_i - mean_{j != i} r_j.
+
+    Equal to G / (G - 1) * (r_i - mean_G). A group of one has no baseline: its advantage is 0.
+    ``eps`` is accepted for a uniform signature and unused.
+    """
+    rewards = rewards.float().cpu()
+    mean, _, count = _group_stats(rewards, group_ids.cpu())
+    loo = (rewards - mean) * count / (count - 1).clamp(min=1)
+    return torch.where(count > 1, loo, torch.zeros_like(loo))
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole tensor; 0 off the mask.
+
+    The std is the population std of the masked entries (OpenRLHF's ``masked_normalize``).
+    """
+    n = mask.sum().clamp(min=1)
+    mean = (values * mask).sum() / n
+    var = (((values - mean) * mask) ** 2).sum() / n
+    return (values - mean) / (var.sqrt() + eps) * mask
+
+
+def last_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) tensor with r_i on the last policy token of row i and 0 elsewhere."""
+    T = loss_mask.shape[1]
+    pos = torch.arange(T, device=loss_mask.device).expand_as(loss_mask)
+    last = torch.where(loss_mask > 0, pos, torch.full_like(pos, -1)).max(dim=1).values  # (N,)
+    out = torch.zeros_like(loss_mask, dtype=torch.float32)
+    has = last >= 0
+    out[has.nonzero().squeeze(-1), last[has]] = rewards.float().to(out.device)[has]
+    return out
+
+
+def discounted_returns(
+    token_rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """G_t = sum_{k >= t, mask_k = 1} gamma^(#policy tokens between t and k) r_k, on the mask.
+
+    A backward scan over T; off-mask positions carry the running return unchanged (they are
+    not time steps) and get 0 in the output.
+    """
+    running = torch.zeros(token_rewards.shape[0], device=token_rewards.device)
+    out = torch.zeros_like(token_rewards, dtype=torch.float32)
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        m = loss_mask[:, t]
+        running = torch.where(m > 0, token_rewards[:, t] + gamma * running, running)
+        out[:, t] = running * m
+    return out
+
+
+def _kl_shaped(
+    rewards: torch.Tensor, loss_mask: torch.Tensor, token_rewards: torch.Tensor | None
+) -> torch.Tensor:
+    """Outcome reward on the last policy token plus any per-token term (e.g. -beta * KL_t)."""
+    shaped = last_token_rewards(rewards, loss_mask)
+    if token_rewards is not None:
+        shaped = shaped + token_rewards * loss_mask
+    return shaped
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor,
+    token_rewards: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): whitened discounted return, per token.
+
+    Per-token reward = ``token_rewards`` (the caller passes -beta * KL_t for KL-in-reward) plus
+    r_i on the last policy token; A_t = discounted return from t, whitened over every policy token
+    of the batch. ``group_ids`` is unused (no group baseline in this variant).
+    """
+    returns = discounted_returns(_kl_shaped(rewards, loss_mask, token_rewards), loss_mask, gamma)
+    return masked_whiten(returns, loss_mask, eps)
+
+
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor,
+    token_rewards: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """REINFORCE++-baseline (arXiv:2501.03262 v3+): r_i - mean_G, then as ``reinforce_pp``.
+
+    The group mean replaces the missing critic; the whitening over the batch keeps the scale
+    stable across batches (OpenRLHF's ``reinforce_baseline``).
+    """
+    rewards = rewards.float().cpu()
+    mean, _, _ = _group_stats(rewards, group_ids.cpu())
+    return reinforce_pp_advantages(
+        (rewards - mean).to(loss_mask.device),
+        group_ids,
+        loss_mask=loss_mask,
+        token_rewards=token_rewards,
+        gamma=gamma,
+        eps=eps,
+    )
+
+
+def gae_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor,
+    values: torch.Tensor,
+    token_rewards: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016, arXiv:1506.02438) for PPO with a value model.
+
+    Over the policy tokens of each row (in order; observation tokens are skipped):
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1}, with V = 0 after
+    the last policy token. ``values[:, t]`` is V of the state before token t. Returns
+    (advantages (N, T), returns (N, T) = A + V, the value targets, computed before whitening).
+    With ``whiten`` the advantages are whitened over the batch's policy tokens (as verl/OpenRLHF).
+    """
+    r = _kl_shaped(rewards, loss_mask, token_rewards)
+    values = values.float() * loss_mask
+    N, T = r.shape
+    next_v = torch.zeros(N, device=r.device)
+    next_a = torch.zeros(N, device=r.device)
+    adv = torch.zeros_like(r)
+    for t in range(T - 1, -1, -1):
+        m = loss_mask[:, t] > 0
+        delta = r[:, t] + gamma * next_v - values[:, t]
+        a = delta + gamma * lam * next_a
+        next_a = torch.where(m, a, next_a)
+        next_v = torch.where(m, values[:, t], next_v)
+        adv[:, t] = torch.where(m, a, torch.zeros_like(a))
+    returns = (adv + values) * loss_mask
+    if whiten:
+        adv = masked_whiten(adv, loss_mask, eps)
+    return adv, returns
+
+
+AdvantageFn = Callable[..., Any]
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "gae": gae_advantages,
+}
+TOKEN_LEVEL = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
+NEEDS_VALUES = frozenset({"gae"})
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
@@ -39,3 +232,43 @@ def get_advantage_fn(name: str) -> AdvantageFn:
         raise ValueError(
             f"unknown advantage estimator {name!r}; valid: {', '.join(sorted(ADVANTAGES))}"
         ) from None
+
+
+def compute_advantages(
+    name: str,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    token_rewards: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run estimator ``name``; returns (advantages (N,) or (N, T), value targets or None).
+
+    Outcome estimators see ``rewards`` already shaped by the caller (a KL-in-reward penalty is
+    summed into the per-trajectory reward); token estimators get ``token_rewards`` per token.
+    """
+    fn = get_advantage_fn(name)
+    if name not in TOKEN_LEVEL:
+        return fn(rewards, group_ids, eps=eps), None
+    if loss_mask is None:
+        raise ValueError(f"advantage estimator {name!r} needs the loss mask (token level)")
+    if name in NEEDS_VALUES:
+        if values is None:
+            raise ValueError(f"advantage estimator {name!r} needs values from a value model")
+        adv, ret = fn(
+            rewards,
+            group_ids,
+            loss_mask=loss_mask,
+            values=values,
+            token_rewards=token_rewards,
+            gamma=gamma,
+            lam=lam,
+        )
+        return adv, ret
+    return fn(
+        rewards, group_ids, loss_mask=loss_mask, token_rewards=token_rewards, gamma=gamma
+    ), None

@@ -9,6 +9,10 @@ Optional: ``generate_continuous(requests, params, on_complete)`` (``TorchEngine`
 a finished completion's follow-up request join the running batch at once (continuous
 batching); ``gyre.rollout.run_episodes`` uses it when present and falls back to lockstep turns.
 A request's ``seed`` keys its own random stream, so batching never changes its tokens.
+
+Engines that take weights from files also have ``load_adapter(path, version)`` (a peft adapter
+folder) and/or ``load_weights_from_disk(path, version)`` (a Hugging Face folder); both return
+once the new version serves (see :mod:`gyre.engines.sync`).
 """
 
 from __future__ import annotations

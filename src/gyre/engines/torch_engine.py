@@ -36,13 +36,15 @@ import os
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from gyre.sampling import sample_tokens_keyed
+from gyre.sampling import sample_tokens_keyed, sampling_logprobs
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 OnComplete = Callable[[int, Completion], GenerationRequest | None]
@@ -94,6 +96,7 @@ class _Row:
     fed: list[int]  # tokens whose keys/values are in the cache
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
+    out_top: list[dict[int, float]] = field(default_factory=list)
     done: bool = False
     reason: str = "length"
 
@@ -196,9 +199,9 @@ class TorchEngine:
             compile_decode = _env_flag("GYRE_COMPILE_DECODE", False)
         # torch.compile of the one-token decode step only (prefill stays eager). Off by default:
         # it pays per step but costs minutes of compilation on a small CPU (docs/performance.md).
-        self._decode_model: Callable[..., object] = (
-            torch.compile(self.model, dynamic=True) if compile_decode else self.model
-        )
+        self._compiled = compile_decode
+        self._compiled_of: torch.nn.Module | None = None  # the model _compiled_step wraps
+        self._compiled_step: Callable[..., object] | None = None
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
         self._parked: dict[Hashable, _Parked] = {}
@@ -217,6 +220,54 @@ class TorchEngine:
                 own[name].copy_(tensor)
         self.version = version
         self._parked.clear()  # cached keys/values belong to the old weights
+
+    def load_weights_from_disk(self, path: str | Path, version: int) -> int:
+        """Full-weight sync from a Hugging Face folder's safetensors; returns ``version``."""
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in '{path}'")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(safetensors.torch.load_file(f, device=str(self.device)))
+        own = self.model.state_dict()
+        if hasattr(self.model, "peft_config"):
+            raise ValueError("this engine holds a LoRA adapter: sync it with load_adapter")
+        missing = [k for k in state if k not in own]
+        if missing:
+            raise ValueError(f"weights in '{path}' do not fit the engine's model: {missing[:3]}")
+        self.load_weights(state, version)
+        return version
+
+    def load_adapter(self, path: str | Path, version: int) -> int:
+        """Adapter sync: load a peft adapter folder as the active adapter; returns ``version``."""
+        from gyre.lora import load_adapter_into
+
+        self.model = load_adapter_into(self.model, Path(path), f"v{version}").eval()
+        active = f"v{version}"
+        self.model.set_adapter(active)
+        for name in list(self.model.peft_config):
+            if name != active:
+                self.model.delete_adapter(name)
+        self.version = version
+        self._parked.clear()  # cached keys/values belong to the old adapter
+        return version
+
+    def reset_cache(self) -> None:
+        """Drop every parked session cache (after the weights or adapters changed)."""
+        self._parked.clear()
+
+    def _decode_model(self) -> Callable[..., object]:
+        """The forward of a one-token decode step: ``self.model``, or its compiled version.
+
+        Recompiled when ``self.model`` is replaced (a peft wrapper from :meth:`load_adapter` or
+        ``gyre serve``'s LoRA loading), so decode never runs a stale model object.
+        """
+        if not self._compiled:
+            return self.model
+        if self._compiled_step is None or self._compiled_of is not self.model:
+            self._compiled_step = torch.compile(self.model, dynamic=True)
+            self._compiled_of = self.model
+        return self._compiled_step
 
     def release(self, sessions: Iterable[Hashable]) -> None:
         for s in sessions:
@@ -306,7 +357,12 @@ class TorchEngine:
                 if row.session is not None:
                     assert snap is not None
                     self._parked[row.session] = _Parked(list(row.fed), snap, i)
-                comp = Completion(row.out_ids, row.out_lp, row.reason)
+                comp = Completion(
+                    row.out_ids,
+                    row.out_lp,
+                    row.reason,
+                    row.out_top if params.top_logprobs > 0 else None,
+                )
                 results[row.index] = comp
                 if on_complete is not None:
                     nxt = on_complete(row.index, comp)
@@ -341,9 +397,17 @@ class TorchEngine:
         tokens, logps = sample_tokens_keyed(
             logits, params.temperature, params.top_p, seeds, counters
         )
-        for row, tok, lp in zip(rows, tokens.tolist(), logps.tolist(), strict=True):
+        k = params.top_logprobs
+        if k > 0:
+            # The k most likely tokens under the distribution sampled from (after temperature
+            # and top-p), as OpenAI's ``logprobs``/``top_logprobs`` report them.
+            top = sampling_logprobs(logits, params.temperature, params.top_p).topk(k, dim=-1)
+            top_v, top_i = top.values.tolist(), top.indices.tolist()
+        for j, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist(), strict=True)):
             row.out_ids.append(tok)
             row.out_lp.append(lp)
+            if k > 0:
+                row.out_top.append(dict(zip(top_i[j], top_v[j], strict=True)))
             if tok in stop:
                 row.done, row.reason = True, "stop"
             elif len(row.out_ids) >= params.max_new_tokens:
@@ -481,7 +545,7 @@ class TorchEngine:
         keep[torch.arange(B), torch.tensor(keep_l)] = True
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         batch.colmask = torch.cat([batch.colmask, mask], dim=1)
-        forward = self._decode_model if C == 1 else self.model
+        forward = self._decode_model() if C == 1 else self.model
         out = forward(
             input_ids=ids,
             attention_mask=batch.colmask,

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from gyre.config import EnvConfig
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.base import Demonstrator, Env
+from gyre.envs.dataset import DatasetEnv, load_jsonl_tasks
 from gyre.envs.maze import MazeEnv
 
-__all__ = ["ArithmeticEnv", "Demonstrator", "Env", "MazeEnv", "env_factory"]
+__all__ = ["ArithmeticEnv", "DatasetEnv", "Demonstrator", "Env", "MazeEnv", "env_factory"]
 
 
 def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
@@ -22,4 +23,9 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
     if cfg.name == "arithmetic":
         a = cfg.arithmetic
         return lambda: ArithmeticEnv(a.max_operand, a.ops)
-    raise ValueError(f"unknown env.name {cfg.name!r}; valid: maze, arithmetic")
+    if cfg.name == "dataset":
+        d = cfg.dataset
+        tasks = load_jsonl_tasks(d.path, d.prompt_field, d.answer_field)  # read once, shared
+        DatasetEnv(tasks, d.eval_rows, d.path)  # validate eval_rows now, not in the first rollout
+        return lambda: DatasetEnv(tasks, d.eval_rows, d.path)
+    raise ValueError(f"unknown env.name {cfg.name!r}; valid: maze, arithmetic, dataset")

@@ -37,7 +37,9 @@ class ArithmeticEnv:
             ok = int(action.strip()) == self.answer
         except ValueError:
             ok = False
-        return "", (1.0 if ok else 0.0), True, {"success": ok, "moves": 1, "malformed": False}
+        # "task" carries the reference to reward functions (gyre.rewards) as the column `answer`.
+        info = {"success": ok, "moves": 1, "malformed": False, "task": {"answer": str(self.answer)}}
+        return "", (1.0 if ok else 0.0), True, info
 
     def expert_action(self, rng: np.random.Generator) -> str:
         return str(self.answer)

@@ -1,4 +1,5 @@
-"""Metrics sinks: one small interface, fanned out to the console and a JSONL file."""
+"""Telemetry: one small sink interface fanned out to the console, JSONL, TensorBoard, a
+Prometheus exporter and optional trackers; sampled episodes; the HTML report (``report``)."""
 
 from gyre.telemetry.sinks import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class MetricsSink(Protocol):
@@ -57,46 +57,119 @@ class JsonlSink:
         self._f.close()
 
 
-class ConsoleSink:
-    """A rich progress bar (step, reward, success, tokens/s) on a TTY; plain lines otherwise."""
+def format_duration(seconds: float) -> str:
+    """``75`` -> ``1m15s``; ``3725`` -> ``1h02m``: short enough for a status line."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
-    def __init__(self, total_steps: int, mode: str = "auto", title: str = "GRPO") -> None:
+
+HEADLINE = (
+    ("rollout/reward_mean", "reward", "{:.3f}"),
+    ("rollout/success_rate", "success", "{:.3f}"),
+    ("eval/success_greedy", "eval", "{:.3f}"),
+    ("perf/rollout_tokens_per_s", "tok/s", "{:.0f}"),
+    ("train/loss", "loss", "{:.4f}"),
+    ("sft/loss", "sft loss", "{:.4f}"),
+    ("sft/token_acc", "token acc", "{:.3f}"),
+)
+
+
+class _Status:
+    """The line under the progress bar; rich re-renders it on every refresh."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def __rich__(self) -> Any:
+        from rich.text import Text
+
+        return Text(self.text)  # plain: no number highlighting
+
+
+class ConsoleSink:
+    """Step, reward, success, tokens/s, phase times and ETA.
+
+    ``rich``: a live view, a progress bar with the headline numbers and a status line with the
+    last step's phase times and the ETA. ``plain``: one line per logged step (what CI logs
+    want). ``auto`` picks rich on a terminal and plain otherwise. The ETA is the mean wall time
+    per step since the first logged step times the steps left, so periodic evaluations are
+    averaged in rather than mistaken for a slowdown.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        mode: str = "auto",
+        title: str = "GRPO",
+        console: Any | None = None,
+    ) -> None:
         self.total = total_steps
         self.mode = mode
         if mode == "auto":
             self.mode = "rich" if sys.stdout.isatty() else "plain"
+        self._live = None
         self._progress = None
         self._task = None
+        self._status = _Status()
+        self._origin: tuple[float, int] | None = None
         if self.mode == "rich":
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.console import Group
+            from rich.live import Live
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             self._progress = Progress(
-                TextColumn(f"[bold]{title}[/] step {{task.completed}}/{{task.total}}"),
+                TextColumn(f"[bold]{title}[/] step"),
+                MofNCompleteColumn(),
                 BarColumn(),
                 TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
+                console=console,
             )
             self._task = self._progress.add_task("train", total=total_steps, info="")
-            self._progress.start()
+            self._live = Live(
+                Group(self._progress, self._status),
+                console=self._progress.console,
+                refresh_per_second=4,
+            )
+            self._live.start()
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left, from the mean time per step since the first log call (None before
+        two distinct steps have been seen)."""
+        now = time.perf_counter()
+        if self._origin is None:
+            self._origin = (now, step)
+            return None
+        t0, s0 = self._origin
+        if step <= s0 or step >= self.total:  # nothing measured yet, or nothing left
+            return None
+        return (now - t0) / (step - s0) * max(0, self.total - step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        parts = []
-        for key, label, fmt in (
-            ("rollout/reward_mean", "reward", "{:.3f}"),
-            ("rollout/success_rate", "success", "{:.3f}"),
-            ("eval/success_greedy", "eval", "{:.3f}"),
-            ("perf/rollout_tokens_per_s", "tok/s", "{:.0f}"),
-            ("train/loss", "loss", "{:.4f}"),
-            ("sft/loss", "sft loss", "{:.4f}"),
-            ("sft/token_acc", "token acc", "{:.3f}"),
-        ):
-            if key in metrics and metrics[key] is not None:
-                parts.append(f"{label} {fmt.format(metrics[key])}")
+        parts = [
+            f"{label} {fmt.format(metrics[key])}"
+            for key, label, fmt in HEADLINE
+            if metrics.get(key) is not None
+        ]
+        phases = [
+            f"{k[5:-2]} {metrics[k]:.2f}s"
+            for k in metrics
+            if k.startswith("time/") and k.endswith("_s") and metrics[k] is not None
+        ]
+        eta = self.eta(step)
+        extra = ["phases: " + " ".join(phases)] if phases else []
+        extra += [f"ETA {format_duration(eta)}"] if eta is not None else []
+        tail = "  ".join(extra)
         line = "  ".join(parts)
         if self.mode == "rich" and self._progress is not None:
             self._progress.update(self._task, completed=step, info=line)
+            if tail:
+                self._status.text = tail
         elif self.mode == "plain":
-            print(f"step {step}/{self.total}  {line}", flush=True)
+            print(f"step {step}/{self.total}  {line}" + (f"  | {tail}" if tail else ""), flush=True)
 
     def message(self, text: str) -> None:
         if self.mode == "rich" and self._progress is not None:
@@ -105,8 +178,9 @@ class ConsoleSink:
             print(text, flush=True)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
             self._progress = None
 
 

@@ -1,0 +1,58 @@
+"""Build the rollout engine and its weight sync from ``cfg.engine`` (called by the loop)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre.config import Config
+from gyre.engines.sync import WeightSync
+from gyre.engines.torch_engine import TorchEngine
+
+
+def build_engine(
+    cfg: Config, model: torch.nn.Module, tokenizer: Any, run_dir: Path
+) -> tuple[Any, WeightSync]:
+    """The engine the run samples from, and the :class:`WeightSync` that keeps it current.
+
+    ``torch``: an in-process copy of the policy. ``http``: the servers in ``engine.urls``; they
+    must already serve the run's base model (``model.path``, or the SFT output, which
+    :func:`initial_sync` pushes).
+    """
+    e = cfg.engine
+    if e.kind == "torch":
+        engine: Any = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, seed=cfg.run.seed)
+    else:
+        from gyre.engines.http_engine import HttpEngine
+
+        engine = HttpEngine(
+            e.urls,
+            api_key=e.api_key,
+            model=e.model,
+            timeout_s=e.timeout_s,
+            max_retries=e.max_retries,
+            health_interval_s=e.health_interval_s,
+            max_concurrency=e.max_concurrency,
+            api=e.api,
+        )
+    sync_dir = Path(e.sync_dir) if e.sync_dir else run_dir / "sync"
+    return engine, WeightSync(e, engine, tokenizer, sync_dir, cfg.model.lora is not None)
+
+
+def initial_sync(
+    syncer: WeightSync, model: torch.nn.Module, version: int, base_dir: Path | None
+) -> dict[str, float]:
+    """Before the first rollout of a disk-synced run, give every engine the current policy.
+
+    With LoRA on an SFT warm start the servers first need the SFT weights under the adapter
+    (``base_dir``); then the adapter (or the full policy) of ``version`` is pushed.
+    """
+    if syncer.mode != "disk":
+        return {}
+    if syncer.lora and base_dir is not None and syncer.cfg.kind == "http":
+        # (an in-process engine is a copy of the policy: it has these weights already)
+        syncer.engine.load_weights_from_disk(base_dir, version)
+    return syncer.sync(model, version)

@@ -1,0 +1,94 @@
+"""Weight sync (phase 5 of the loop): bring every engine to the trainer's policy version.
+
+Three paths, chosen from the engine and ``engine.weight_sync``:
+
+- **memory** (in-process torch engine): copy the changed tensors (all weights, or under LoRA
+  only the adapter's) into the engine's model.
+- **adapter files** (LoRA, any engine that has ``load_adapter``): write the adapter atomically to
+  ``<sync_dir>/v<version>/`` in peft format (``adapter_model.safetensors`` +
+  ``adapter_config.json``), tell each engine to load it and wait for its acknowledgement, then
+  delete versions older than the newest ``sync_keep``.
+- **full-weight files** (no LoRA, engines with ``load_weights_from_disk``): the same with a plain
+  Hugging Face folder, loaded through ``/update_weights_from_disk`` (SGLang's endpoint).
+
+Every sync reports ``sync/bytes`` and its write / load times; the loop times the whole phase.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre.config import EngineConfig
+from gyre.lora import save_adapter_atomic, save_full_atomic, trainable_state
+
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class WeightSync:
+    """Syncs ``engine`` from ``model`` every ``cfg.sync_every`` updates (and on the last)."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        engine: Any,
+        tokenizer: Any,
+        sync_dir: Path,
+        lora: bool,
+    ) -> None:
+        self.cfg, self.engine, self.tokenizer, self.lora = cfg, engine, tokenizer, lora
+        self.sync_dir = Path(sync_dir)
+        self.mode = "memory" if cfg.kind == "torch" and cfg.weight_sync == "memory" else "disk"
+        if self.mode == "disk":
+            need = "load_adapter" if lora else "load_weights_from_disk"
+            if not hasattr(engine, need):
+                raise TypeError(f"{type(engine).__name__} cannot sync from files (no {need})")
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self.cfg.sync_every == 0 or step == last_step
+
+    def sync(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+        """Push ``model`` to the engine as ``version``; returns sync metrics."""
+        if self.mode == "memory":
+            state = trainable_state(model) if self.lora else model.state_dict()
+            t0 = time.perf_counter()
+            self.engine.load_weights(state, version)
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            return {"sync/bytes": float(nbytes), "sync/load_s": time.perf_counter() - t0}
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        out = self.sync_dir / f"v{version}"
+        t0 = time.perf_counter()
+        if self.lora:
+            nbytes = save_adapter_atomic(model, out)
+        else:
+            nbytes = save_full_atomic(model, self.tokenizer, out)
+        t1 = time.perf_counter()
+        if self.lora:
+            acks = self.engine.load_adapter(out, version)
+        else:
+            acks = self.engine.load_weights_from_disk(out, version)
+        t2 = time.perf_counter()
+        self._clean(version)
+        m = {"sync/bytes": float(nbytes), "sync/write_s": t1 - t0, "sync/load_s": t2 - t1}
+        if isinstance(acks, int) and hasattr(self.engine, "alive_count"):
+            m["sync/acks"] = float(acks)
+            m["engine/servers_alive"] = float(self.engine.alive_count())
+        return m
+
+    def _clean(self, current: int) -> None:
+        """Keep the newest ``sync_keep`` versions (always the current one)."""
+        found = []
+        for p in self.sync_dir.iterdir():
+            m = _VERSION_DIR.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), p))
+        found.sort()
+        keep = {v for v, _ in found[-self.cfg.sync_keep :]} | {current}
+        for v, p in found:
+            if v not in keep:
+                shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,122 @@
+"""A prompt dataset as a single-turn env: real tasks loaded from a JSONL file.
+
+Each non-blank line of the file is one JSON object with at least a prompt and a reference
+answer (field names configurable)::
+
+    {"prompt": "Tom has 3 apples and buys 4 more. How many apples? Answer: ", "answer": "7"}
+
+Every other key of the row is task metadata: it is handed to reward functions as a column of
+the same name (see ``gyre.rewards``). The policy sees the prompt text verbatim and answers in one
+turn. The env's own reward is a strict check, 1.0 iff the stripped answer text equals the
+stripped reference; richer checking (``math-verify``, a reward model) is a reward function.
+
+Seeds map to rows: training seeds (``< 2^31``) pick from the first ``len(rows) - eval_rows``
+rows, held-out seeds (``2^31 + i``) from the last ``eval_rows`` rows (all rows when
+``eval_rows == 0``, so evaluation then measures training tasks — say so when reporting it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Held-out seeds start here (gyre.evaluate.EVAL_SEED_BASE; not imported, to keep envs light).
+EVAL_SEED_BASE = 2**31
+
+
+@dataclass(frozen=True)
+class Task:
+    """One dataset row: the prompt, the reference answer (as text) and the other fields."""
+
+    prompt: str
+    answer: str
+    meta: dict[str, Any]
+    line: int
+
+
+def load_jsonl_tasks(
+    path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[Task]:
+    """Read and validate every row; a malformed row raises ``ValueError`` naming file:line."""
+    p = Path(path)
+    if not str(path):
+        raise ValueError("env.dataset.path is empty; set it to a JSONL file of tasks")
+    if not p.is_file():
+        raise ValueError(f"env.dataset.path '{p}' does not exist")
+    tasks: list[Task] = []
+    with p.open(encoding="utf-8") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                row = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+            for key in (prompt_field, answer_field):
+                if key not in row:
+                    raise ValueError(f"{where}: missing field '{key}' (row keys: {sorted(row)})")
+            prompt, answer = row[prompt_field], row[answer_field]
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{where}: field '{prompt_field}' must be a non-empty string")
+            if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+                raise ValueError(
+                    f"{where}: field '{answer_field}' must be a string or a number, "
+                    f"got {type(answer).__name__}"
+                )
+            meta = {k: v for k, v in row.items() if k != prompt_field}
+            meta[answer_field] = str(answer)
+            tasks.append(Task(prompt, str(answer), meta, lineno))
+    if not tasks:
+        raise ValueError(f"env.dataset.path '{p}' holds no rows")
+    return tasks
+
+
+class DatasetEnv:
+    """One-step env over a shared list of tasks (see the module docstring)."""
+
+    def __init__(self, tasks: list[Task], eval_rows: int = 0, source: str = "") -> None:
+        if eval_rows >= len(tasks):
+            raise ValueError(
+                f"env.dataset.eval_rows={eval_rows} leaves no training rows "
+                f"({len(tasks)} rows in {source or 'the dataset'})"
+            )
+        self.tasks = tasks
+        self.eval_rows = eval_rows
+        self.task: Task | None = None
+        self.done = True
+
+    def row_index(self, seed: int) -> int:
+        n_train = len(self.tasks) - self.eval_rows
+        if seed >= EVAL_SEED_BASE:
+            if self.eval_rows == 0:
+                return (seed - EVAL_SEED_BASE) % len(self.tasks)
+            return n_train + (seed - EVAL_SEED_BASE) % self.eval_rows
+        return seed % n_train
+
+    def reset(self, seed: int) -> str:
+        self.task = self.tasks[self.row_index(seed)]
+        self.done = False
+        return self.task.prompt
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        if self.done or self.task is None:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        self.done = True
+        ok = action.strip() == self.task.answer.strip()
+        info = {"success": ok, "moves": 1, "malformed": False, "task": dict(self.task.meta)}
+        return "", (1.0 if ok else 0.0), True, info
+
+    def expert_action(self, rng: np.random.Generator) -> str:
+        assert self.task is not None
+        return self.task.answer
+
+    def random_action(self, rng: np.random.Generator) -> str:
+        """Another row's answer: well-formed, usually wrong."""
+        return self.tasks[int(rng.integers(len(self.tasks)))].answer

@@ -1,0 +1,118 @@
+"""``reward_model``: score samples with any local Hugging Face sequence-classification folder.
+
+The folder is loaded with ``AutoModelForSequenceClassification`` and ``AutoTokenizer`` from a
+local path (nothing is downloaded) once per (path, device, dtype) and kept for the run. Config::
+
+    reward:
+      functions:
+        - fn: gyre.rewards.reward_model:reward_model
+          name: rm
+          kwargs: {path: /models/my-rm, device: cuda, batch_size: 16}
+
+Input text: ``prompt + completion`` by default; ``chat_template: true`` renders a
+user/assistant conversation with the reward model's own chat template instead (what most
+published reward models expect). Score: the logit of ``label`` (default 0, the single output of
+a regression head, which is how reward models are usually trained); for a multi-class head pick
+the class with ``label`` and set ``prob: true`` to get its softmax probability.
+
+Padding is on the right and the model reads its score at the last non-pad token (the
+``pad_token_id`` of the model config), so a batch scores exactly like one sample at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_CACHE: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+_LOCK = threading.Lock()
+
+
+def _resolve_device(device: str) -> Any:
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"reward_model: device {device!r} asked for, but CUDA is not available")
+    return dev
+
+
+def load_reward_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any]:
+    """(model, tokenizer) for a local folder, cached; errors name the path."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    key = (str(path), str(device), dtype)
+    with _LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+        dev = _resolve_device(device)
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, local_files_only=True, dtype=getattr(torch, dtype)
+            )
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"reward_model: cannot load a sequence-classification model from {path!r}: {exc}"
+            ) from exc
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tok.pad_token_id
+        tok.padding_side = "right"
+        model.to(dev).eval()
+        _CACHE[key] = (model, tok)
+        return model, tok
+
+
+def reward_model(
+    prompts: list[str],
+    completions: list[str],
+    path: str = "",
+    device: str = "cpu",
+    dtype: str = "float32",
+    batch_size: int = 16,
+    max_length: int = 2048,
+    label: int = 0,
+    prob: bool = False,
+    chat_template: bool = False,
+    **columns: Any,
+) -> list[float]:
+    """One score per (prompt, completion), in batches of ``batch_size`` on ``device``."""
+    import torch
+
+    if not path:
+        raise ValueError("reward_model: set kwargs.path to a local sequence-classification folder")
+    model, tok = load_reward_model(path, device, dtype)
+    if not 0 <= label < model.config.num_labels:
+        raise ValueError(
+            f"reward_model: label {label} out of range for {model.config.num_labels} labels"
+        )
+    if chat_template:
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                tokenize=False,
+            )
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+    dev = next(model.parameters()).device
+    scores: list[float] = []
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            enc = tok(
+                texts[start : start + batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+            ).to(dev)
+            logits = model(**enc).logits.float()  # (B, num_labels)
+            col = logits.softmax(-1)[:, label] if prob else logits[:, label]
+            scores.extend(col.cpu().tolist())
+    return scores

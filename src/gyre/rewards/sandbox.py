@@ -1,0 +1,247 @@
+"""Run untrusted reward code in worker processes with a wall-time limit, a memory limit and no
+network; a failed call costs that sample a configured reward, never the run.
+
+Guarantees (what is enforced, and how):
+
+- **wall time**: the parent waits at most ``timeout_s`` for a call's reply, then SIGKILLs the
+  worker's whole process group (programs the reward spawned included) and starts a fresh one;
+- **memory**: ``RLIMIT_AS`` in the worker (soft = hard); past it allocations fail
+  (``MemoryError``), and a worker killed outright is reported as a crash;
+- **network**: the worker enters a new user + network namespace before importing user code, so
+  it has no interface but a downed loopback and holds no capability to leave; when the kernel
+  refuses, starting the sandbox raises :class:`SandboxUnavailableError` — it never silently
+  runs with network unless ``network="allow"`` was asked for;
+- **isolation of the parent**: replies are length-prefixed JSON checked for shape, not pickle.
+
+- **secrets**: the worker's environment holds only PATH, HOME, LANG, LC_*, TMPDIR, TZ and
+  thread-count variables, not the parent's API keys or tokens.
+
+Not guaranteed: filesystem isolation (the worker runs as the same user and can read and write
+what it can, including UNIX-domain sockets bound to paths), a process-count limit, CPU-time
+fairness, the honesty of the values the sandboxed code returns, or protection against kernel
+exploits. Use a container or VM for hostile code beyond model-written snippets.
+
+Workers are reused across calls and steps (start-up and imports are paid once), and a call is
+one sample so that a failure costs exactly that sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from gyre.config import SandboxConfig
+from gyre.rewards.errors import SandboxUnavailableError
+
+STARTUP_TIMEOUT_S = 60.0
+ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "TMPDIR", "TZ")
+WORKER_ARGS = ["-m", "gyre.rewards._worker"]  # after sys.executable
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class CallResult:
+    """One sandboxed call: ``values`` on success, else ``kind`` and ``error`` (a traceback)."""
+
+    values: list[float] | None
+    kind: str = "ok"  # ok | timeout | memory | crash | exception | bad_output
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.values is not None
+
+
+def _read_exact(fd: int, n: int, deadline: float) -> bytes | None:
+    """``n`` bytes from ``fd`` before ``deadline``; None on timeout, b'' short on EOF."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        poller = select.poll()  # not select(): fds above 1024 are fine in a long-lived trainer
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        if not poller.poll(left * 1000):
+            return None
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+    return bytes(buf)
+
+
+class _Worker:
+    """One confined worker process and its pipes."""
+
+    def __init__(self, cfg: SandboxConfig, fns: Sequence[str]) -> None:
+        # Untrusted code sees no secrets from the parent's environment (API keys, tokens): only
+        # the variables below pass. sys.path travels in the init frame instead of PYTHONPATH.
+        env = {k: v for k, v in os.environ.items() if k in ENV_PASSTHROUGH or k.startswith("LC_")}
+        # Thread pools reserve address space per thread; under RLIMIT_AS one thread is safer.
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, *WORKER_ARGS],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # its own process group: a timeout kills its children too
+            env=env,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._in, self._out = self.proc.stdin, self.proc.stdout.fileno()
+        init = {
+            "network": cfg.network,
+            "memory_mb": cfg.memory_mb,
+            "sys_path": list(sys.path),
+            "fns": list(fns),
+        }
+        self._send(init)
+        reply = self._recv(time.monotonic() + STARTUP_TIMEOUT_S)
+        if not isinstance(reply, dict):
+            self.kill()
+            raise SandboxUnavailableError(
+                f"reward sandbox worker did not start ({reply}); see stderr above"
+            )
+        if reply.get("kind") == "isolation":
+            self.kill()
+            raise SandboxUnavailableError(
+                "reward sandbox cannot enforce reward.sandbox.network=deny: " + reply["error"]
+            )
+        self.import_errors: dict[str, str] = reply.get("errors", {})
+
+    def _send(self, obj: Any) -> None:
+        data = json.dumps(obj, default=str).encode()
+        self._in.write(struct.pack(">I", len(data)) + data)
+        self._in.flush()
+
+    def _recv(self, deadline: float) -> Any:
+        """The next reply; the string 'timeout' or 'eof' when there is none."""
+        head = _read_exact(self._out, 4, deadline)
+        if head is None:
+            return "timeout"
+        if len(head) < 4:
+            return "eof"
+        (n,) = struct.unpack(">I", head)
+        if n > MAX_REPLY_BYTES:
+            return "eof"
+        body = _read_exact(self._out, n, deadline)
+        if body is None:
+            return "timeout"
+        if len(body) < n:
+            return "eof"
+        try:
+            return json.loads(body)
+        except ValueError:
+            return "eof"
+
+    def call(self, request: dict[str, Any], timeout_s: float) -> CallResult:
+        try:
+            self._send(request)
+        except (BrokenPipeError, OSError):
+            return CallResult(None, "crash", self._death())
+        reply = self._recv(time.monotonic() + timeout_s)
+        if reply == "timeout":
+            self.kill()
+            return CallResult(None, "timeout", f"killed after the {timeout_s:g}s wall-time limit")
+        if not isinstance(reply, dict):
+            return CallResult(None, "crash", self._death())
+        if reply.get("ok"):
+            values = reply.get("values")
+            if isinstance(values, list) and all(isinstance(v, int | float) for v in values):
+                return CallResult([float(v) for v in values])
+            return CallResult(None, "bad_output", f"malformed reply from worker: {reply!r:.200}")
+        return CallResult(None, str(reply.get("kind", "exception")), str(reply.get("error", "")))
+
+    def _death(self) -> str:
+        self.kill()
+        rc = self.proc.returncode
+        if rc is not None and rc < 0:
+            return f"worker died from signal {signal.Signals(-rc).name} (memory limit or a crash)"
+        return f"worker exited with status {rc} without replying"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(Exception):
+                f.close()  # type: ignore[union-attr]
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in list(workers):
+        w.kill()
+
+
+class SandboxPool:
+    """``workers`` confined processes serving calls in parallel; dead ones are replaced."""
+
+    def __init__(self, cfg: SandboxConfig, fns: Sequence[str]) -> None:
+        self.cfg = cfg
+        self.fns = list(fns)
+        self._all: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._idle: queue.Queue[_Worker | None] = queue.Queue()
+        first = self._spawn()  # fails loudly here if isolation is impossible
+        self.import_errors = first.import_errors
+        self._idle.put(first)
+        for _ in range(cfg.workers - 1):
+            self._idle.put(None)  # started on first use
+        self._executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="gyre-sandbox")
+        self._finalizer = weakref.finalize(self, _kill_all, self._all)
+
+    def _spawn(self) -> _Worker:
+        w = _Worker(self.cfg, self.fns)
+        with self._lock:
+            self._all.append(w)
+        return w
+
+    def _run_one(self, request: dict[str, Any]) -> CallResult:
+        w = self._idle.get()
+        try:
+            if w is None or not w.alive:
+                if w is not None:
+                    self._forget(w)
+                w = self._spawn()
+            result = w.call(request, self.cfg.timeout_s)
+            if not w.alive:
+                self._forget(w)
+                w = None
+            return result
+        except SandboxUnavailableError as exc:
+            return CallResult(None, "crash", f"could not restart a sandbox worker: {exc}")
+        finally:
+            self._idle.put(w)
+
+    def _forget(self, w: _Worker) -> None:
+        with self._lock:
+            if w in self._all:
+                self._all.remove(w)
+
+    def map(self, requests: Sequence[dict[str, Any]]) -> list[CallResult]:
+        """Run every request (one sample each) on the pool; results in request order."""
+        return list(self._executor.map(self._run_one, requests))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._finalizer()

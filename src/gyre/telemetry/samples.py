@@ -1,0 +1,143 @@
+"""Sample trajectories: a fraction of each step's episodes to ``<run.dir>/samples.jsonl``.
+
+Curves say that the reward moved; samples say why. Each line is one episode:
+
+``step``, ``index`` (position in the step's batch), ``group_id``, ``task_seed``,
+``policy_version``, ``reward``, ``success``, ``turns``, ``response_tokens``, ``text`` (the whole
+episode decoded: observations and the policy's actions, as the model saw them) and ``actions``
+(the policy's text of each turn). Maze episodes also carry ``maze``: ``size``, ``walls`` (rows
+of ``#``/``.``), ``start``, ``goal``, ``budget``, ``shortest`` and ``positions`` (the agent's
+cell after each action), which is what ``gyre report`` draws step by step. The maze is rebuilt
+from ``task_seed`` and the actions replayed through the env, so the drawing is what the env did.
+
+The episodes are chosen by a generator seeded from (run seed, step): the same run writes the
+same samples, and choosing them never touches the training RNG streams.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gyre.envs.maze import MazeEnv
+from gyre.types import Trajectory
+
+STREAM_SAMPLES = 7
+
+
+def action_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of policy tokens: one per turn (observations sit between)."""
+    spans, start = [], None
+    for i, m in enumerate(loss_mask):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    if start is not None:
+        spans.append((start, len(loss_mask)))
+    return spans
+
+
+def replay_maze(env: MazeEnv, seed: int, actions: Sequence[str]) -> dict[str, Any]:
+    """Rebuild the maze of ``seed`` and replay ``actions``: what the report draws."""
+    env.reset(seed)
+    walls = ["".join("#" if w else "." for w in row) for row in env.walls]
+    start, goal = list(env.start), list(env.goal)
+    positions, success = [], False
+    for a in actions:
+        _, _, done, info = env.step(a)
+        positions.append(list(env.pos))
+        success = bool(info.get("success", False))
+        if done:
+            break
+    return {
+        "size": env.size,
+        "walls": walls,
+        "start": start,
+        "goal": goal,
+        "budget": env.budget,
+        "shortest": env.shortest,
+        "positions": positions,
+        "success": success,
+    }
+
+
+class SampleWriter:
+    """Appends the chosen episodes of each step to ``samples.jsonl`` (flushed per step)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        fraction: float,
+        tokenizer: Any,
+        make_env: Callable[[], Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"telemetry.samples must lie in [0, 1], got {fraction}")
+        self.path = Path(path)
+        self.fraction = fraction
+        self.tokenizer = tokenizer
+        self.make_env = make_env
+        self.seed = seed
+        self._f = None
+
+    def choose(self, step: int, n: int) -> list[int]:
+        """Indices of the episodes written for ``step``: ceil(fraction * n), at least one
+        when the fraction is positive."""
+        k = min(n, math.ceil(self.fraction * n)) if self.fraction > 0 else 0
+        if k == 0:
+            return []
+        rng = np.random.default_rng([self.seed, STREAM_SAMPLES, step])
+        return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
+
+    def record(self, step: int, index: int, t: Trajectory) -> dict[str, Any]:
+        spans = action_spans(t.loss_mask)
+        actions = [
+            self.tokenizer.decode(t.token_ids[a:b], skip_special_tokens=True) for a, b in spans
+        ]
+        rec: dict[str, Any] = {
+            "step": step,
+            "index": index,
+            "group_id": t.group_id,
+            "task_seed": t.task_seed,
+            "policy_version": t.policy_version,
+            "reward": t.reward,
+            "success": bool(t.success),
+            "turns": t.num_turns,
+            "response_tokens": t.num_generated,
+            "text": self.tokenizer.decode(t.token_ids, skip_special_tokens=True),
+            "actions": actions,
+        }
+        env = self.make_env() if self.make_env is not None else None
+        # One mask run per turn holds for the built-in envs; if a turn's tokens were merged or
+        # the replay disagrees with the episode's outcome, draw nothing rather than a wrong maze.
+        if isinstance(env, MazeEnv) and len(actions) == t.num_turns:
+            maze = replay_maze(env, t.task_seed, [a.strip() for a in actions])
+            if maze.pop("success") == bool(t.success):
+                rec["maze"] = maze
+        return rec
+
+    def write(self, step: int, trajs: Sequence[Trajectory]) -> int:
+        """Write this step's chosen episodes; returns how many."""
+        idx = self.choose(step, len(trajs))
+        if not idx:
+            return 0
+        if self._f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = self.path.open("a", encoding="utf-8")
+        for i in idx:
+            self._f.write(json.dumps(self.record(step, i, trajs[i])) + "\n")
+        self._f.flush()
+        return len(idx)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

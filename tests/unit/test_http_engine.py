@@ -1,0 +1,92 @@
+"""HttpEngine without servers: reply parsing (both dialects) and failing with a clear error."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.engines.http_engine import (
+    HttpEngine,
+    NoServerError,
+    ServerError,
+    _parse_completion,
+    _parse_generate,
+)
+from gyre.types import GenerationRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from serve_helpers import free_port
+
+
+def test_http_completion_parsing():
+    ok = {
+        "choices": [
+            {
+                "finish_reason": "stop",
+                "logprobs": {
+                    "tokens": ["token_id:7", "token_id:4"],
+                    "token_logprobs": [-0.5, -0.25],
+                    "top_logprobs": [{"token_id:7": -0.5}, {"token_id:4": -0.25}],
+                },
+            }
+        ]
+    }
+    c = _parse_completion(ok, "u")
+    assert c.token_ids == [7, 4] and c.logprobs == [-0.5, -0.25] and c.finish_reason == "stop"
+    assert c.top_logprobs == [{7: -0.5}, {4: -0.25}]
+    ok["choices"][0]["token_ids"] = [7, 4]  # vLLM's return_token_ids wins when present
+    assert _parse_completion(ok, "u").token_ids == [7, 4]
+    bad = {"choices": [{"finish_reason": "length", "token_ids": [1, 2], "logprobs": None}]}
+    with pytest.raises(ServerError, match="logprobs"):
+        _parse_completion(bad, "http://x")
+    short = {
+        "choices": [
+            {"finish_reason": "length", "token_ids": [1, 2], "logprobs": {"token_logprobs": [0.0]}}
+        ]
+    }
+    with pytest.raises(ServerError, match="2 token ids but 1 logprobs"):
+        _parse_completion(short, "http://x")
+    text_tokens = {
+        "choices": [
+            {"finish_reason": "length", "logprobs": {"tokens": ["a"], "token_logprobs": [0.0]}}
+        ]
+    }
+    with pytest.raises(ServerError, match="token_id"):
+        _parse_completion(text_tokens, "http://x")
+
+
+def test_sglang_generate_parsing():
+    data = {
+        "output_ids": [9, 2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2},
+            "output_token_logprobs": [[-1.0, 9, None], [-0.5, 2, None]],
+        },
+    }
+    c = _parse_generate(data, "u")
+    assert c.token_ids == [9, 2] and c.logprobs == [-1.0, -0.5] and c.finish_reason == "stop"
+    data["output_ids"] = [9, 3]
+    with pytest.raises(ServerError, match="disagree"):
+        _parse_generate(data, "u")
+    with pytest.raises(ServerError, match="output_token_logprobs"):
+        _parse_generate({"meta_info": {}}, "u")
+
+
+def test_no_live_server_fails_clearly_after_the_timeout():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    engine = HttpEngine([url], model="m", timeout_s=1.0, health_interval_s=0.1, max_retries=2)
+    try:
+        with pytest.raises(NoServerError, match=url.split("//")[1]):
+            engine.generate([GenerationRequest([1, 2])], SamplingParams(max_new_tokens=2))
+        assert engine.alive_count() == 0
+    finally:
+        engine.close()
+
+
+def test_bad_api_and_no_urls_are_refused():
+    with pytest.raises(ValueError, match=r"engine\.api"):
+        HttpEngine(["http://127.0.0.1:1"], api="grpc")
+    with pytest.raises(ValueError, match=r"engine\.urls"):
+        HttpEngine([])

@@ -1,0 +1,69 @@
+"""The runner choice and the ray section: validation, placement bundles, no Ray in the loop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gyre.config import ConfigError, load_config
+
+
+def test_runner_defaults_to_local_and_ray_errors_name_the_fields():
+    assert load_config().runner == "local"
+    with pytest.raises(ConfigError, match=r"ray.mode='one-step-off' needs ray.placement"):
+        load_config(None, ["runner=ray", "ray.placement=colocated", "ray.mode=one-step-off"])
+    with pytest.raises(ConfigError, match=r"ray.tasks_per_share=3 must divide"):
+        load_config(None, ["runner=ray", "ray.tasks_per_share=3"])
+    with pytest.raises(ConfigError, match=r"ray.trainer_ranks=3 must divide"):
+        load_config(None, ["runner=ray", "ray.trainer_ranks=3"])
+    with pytest.raises(ConfigError, match=r"advantage='gae' is not supported with runner=ray"):
+        load_config(None, ["runner=ray", "train.algo.advantage=gae"])
+    with pytest.raises(ConfigError, match=r"needs ray.trainer_ranks=1"):
+        load_config(
+            None, ["runner=ray", "train.algo.advantage=reinforce_pp", "ray.trainer_ranks=2"]
+        )
+    with pytest.raises(ConfigError, match=r"model.lora is not supported with runner=ray"):
+        load_config(None, ["runner=ray", "model.lora={rank: 4}"])
+    with pytest.raises(ConfigError, match=r"engine.kind='http' is not supported with runner=ray"):
+        load_config(None, ["runner=ray", "engine.kind=http", "engine.urls=[http://h:1]"])
+    with pytest.raises(ConfigError, match=r"'ray.mode'"):
+        load_config(None, ["ray.mode=sometimes"])
+    with pytest.raises(ConfigError, match=r"'runner'"):
+        load_config(None, ["runner=slurm"])
+
+
+def test_loop_and_algorithms_do_not_import_ray():
+    code = (
+        "import sys, gyre.loop, gyre.trainer, gyre.algos, gyre.runners, gyre.runners.scheduler,"
+        " gyre.runners.actors, gyre.distributed; "
+        "print('ray' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_placement_bundles_colocated_and_disaggregated():
+    pytest.importorskip("ray")
+    from gyre.runners.ray_runner import placement_bundles
+
+    base = ["runner=ray", "ray.rollout_workers=2", "ray.trainer_ranks=2",
+            "ray.rollout.num_gpus=0.5", "ray.trainer.num_gpus=0.5", "ray.rollout.num_cpus=1",
+            "ray.trainer.num_cpus=2"]  # fmt: skip
+    bundles, rb, tb = placement_bundles(load_config(None, [*base, "ray.placement=colocated"]))
+    assert bundles == [{"CPU": 3.0, "GPU": 1.0}] * 2 and rb == [0, 1] and tb == [0, 1]
+    bundles, rb, tb = placement_bundles(load_config(None, base))
+    assert bundles == [{"CPU": 1.0, "GPU": 0.5}] * 2 + [{"CPU": 2.0, "GPU": 0.5}] * 2
+    assert rb == [0, 1] and tb == [2, 3]
+    with pytest.raises(ValueError, match=r"ray\.rollout reserves nothing"):
+        placement_bundles(load_config(None, ["runner=ray", "ray.rollout.num_cpus=0"]))
+
+
+def test_runner_ray_without_ray_names_the_extra(monkeypatch, tmp_path):
+    from gyre import loop
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
+    cfg = load_config(None, ["runner=ray", f"run.dir={tmp_path}", "sft.steps=0"])
+    with pytest.raises(ImportError, match=r"pip install 'gyre\[ray\]'"):
+        loop.train(cfg)
