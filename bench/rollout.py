@@ -24,12 +24,13 @@ at most 4 tokens and stops at a newline or EOS.
   ``model.generate`` call on the full token sequences of all active episodes (left-padded, no
   KV reuse across turns), then append the sampled tokens and the next observation's ids.
 
-The env seeds are the same on both sides. The sampling RNGs are separate (the engine's own
-``torch.Generator`` vs HF's global one), both seeded with ``--seed``; on torch 2.13 /
-transformers 5.24 they happen to draw identically, so both sides sample the very same tokens and
-do identical work. That is not guaranteed in general, so the table reports turns and episodes
-too. (In scenario 1, HF's ``min_new_tokens`` masks EOS while gyre does not stop on it; this
-changes at most a sampled token, never the amount of work.)
+The env seeds are the same on both sides. The sampling RNGs differ (gyre draws each request's
+tokens from a counter-based stream keyed by its seed; HF uses torch's global generator), so in
+scenario 2 the episodes are not token-identical and may differ slightly in length: the table
+reports turns, episodes and generated tokens of each side, and throughput is per generated
+token. (In scenario 1 the work is identical: exactly ``max_new_tokens`` per row; HF's
+``min_new_tokens`` masks EOS while gyre does not stop on it, which changes at most a sampled
+token, never the amount of work.)
 
 Timing: each side is warmed up once (scenario 2 warms up on one task only, to save CPU), then
 timed R times with ``time.perf_counter``, gyre and HF runs interleaved so that background load
@@ -42,6 +43,7 @@ Run::
     python bench/rollout.py --threads 2 --repeats 5
     python bench/rollout.py --model /path/to/hf-folder
     python bench/rollout.py --quick          # smoke test, a few seconds
+    GYRE_COMPACTION=0 python bench/rollout.py  # one optimisation off (docs/performance.md)
 
 The last line of output is one JSON object with every figure and the gyre/HF ratios.
 """
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -307,6 +310,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side (R)")
     p.add_argument("--model", default="", help="local HF model folder (default: tiny gyre model)")
     p.add_argument("--seed", type=int, default=0, help="model init, prompts, env seeds, RNG")
+    p.add_argument(
+        "--compile", action="store_true", help="gyre: torch.compile the decode step (slow warm-up)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: smoke test")
     args = p.parse_args(argv)
     if args.quick:
@@ -338,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model, tokenizer = load_model(args.model or None, args.seed, workdir)
-    engine = TorchEngine(model, pad_token_id=tokenizer.pad_token_id, seed=args.seed)
+    engine = TorchEngine(
+        model, pad_token_id=tokenizer.pad_token_id, seed=args.seed, compile_decode=args.compile
+    )
     torch.manual_seed(args.seed)  # HF generate samples from the global RNG
 
     G = args.group_size
@@ -360,9 +368,12 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "single_turn": {"gyre": SideSummary(), "hf": SideSummary()},
         "multi_turn": {"gyre": SideSummary(), "hf": SideSummary()},
     }
-    for side in ("gyre", "hf"):  # warm-up, untimed
+    warmup: dict[str, float] = {}
+    for side in ("gyre", "hf"):  # warm-up, untimed (with --compile: includes compilation)
+        t0 = time.perf_counter()
         single[side]()
         multi[side](seeds[:1])
+        warmup[side] = round(time.perf_counter() - t0, 2)
     for _ in range(args.repeats):  # interleaved so background load hits both sides alike
         for side in ("gyre", "hf"):
             results["single_turn"][side].runs.append(single[side]())
@@ -381,6 +392,13 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     )
     report["multi_turn"].update(tasks=args.episodes, group_size=G, max_new_tokens=args.turn_tokens)
     report.update(
+        engine_flags={
+            "prefix_sharing": engine.prefix_sharing,
+            "compaction": engine.compaction,
+            "continuous": os.environ.get("GYRE_CONTINUOUS", "1"),
+            "compile_decode": args.compile,
+        },
+        warmup_s=warmup,
         repeats=args.repeats,
         quick=args.quick,
         model=args.model or "tiny-default",

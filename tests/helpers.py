@@ -42,7 +42,9 @@ class RecordingEngine:
         self, requests: list[GenerationRequest], params: SamplingParams
     ) -> list[Completion]:
         fwd = [
-            GenerationRequest(list(r.prompt_ids), None if self.strip_sessions else r.session)
+            GenerationRequest(
+                list(r.prompt_ids), None if self.strip_sessions else r.session, seed=r.seed
+            )
             for r in requests
         ]
         outs = self.inner.generate(fwd, params)

@@ -36,6 +36,44 @@ def test_rollout_bench_quick() -> None:
     assert st["gyre_generated_tokens"] == st["hf_generated_tokens"]
 
 
+VS_TRL = BENCH.parent / "vs_trl.py"
+SCALING = BENCH.parent / "scaling.py"
+
+
+def _last_json(script: Path, *args: str, timeout: int = 300) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines, "bench printed nothing"
+    return json.loads(lines[-1])
+
+
+def test_vs_trl_bench_quick() -> None:
+    pytest.importorskip("trl", reason="TRL is a bench extra: pip install 'gyre[bench]'")
+    report = _last_json(VS_TRL, "--quick")
+    assert report["bench"] == "vs_trl"
+    assert report["gyre_samples_per_s"] > 0 and report["trl_samples_per_s"] > 0
+    assert report["samples"] == 2 * 4 * 2
+    for key in ("ratio", "gyre_eval_reward", "trl_eval_reward"):
+        assert key in report
+
+
+def test_scaling_bench_quick() -> None:
+    report = _last_json(SCALING, "--quick")
+    assert report["bench"] == "scaling"
+    for sweep in ("batch", "seq_len"):
+        points = report[sweep]
+        assert len(points) >= 2
+        for p in points:
+            assert p["gyre_tok_s"] > 0 and p["peak_rss_mib"] > 0
+
+
 @pytest.mark.slow
 def test_checkpoint_bench_tiny(tmp_path) -> None:
     """``bench/checkpoint.py`` end to end on the tiny model (3 gyre processes: slow)."""

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from gyre.policy import TokenBatch, logits_to_token_logprobs
+from gyre.policy import TokenBatch, logits_to_token_logprobs, token_logprobs
 
 VALUE_MODES = ("critic", "head")
 
@@ -121,6 +121,12 @@ def policy_forward(
     critic's own forward.
     """
     shared = value_model is not None and value_model.shared
+    if not shared:
+        # No hidden states needed: the packed / chunked scoring path (gyre.scoring) applies.
+        logp, ent = token_logprobs(
+            model, batch, temperature, top_p, with_entropy, entropy_grad=entropy_grad
+        )
+        return logp, ent, value_model(batch) if value_model is not None else None
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gyre.sampling import sampling_logprobs
+from gyre.scoring import ScoringOptions, chunked_token_logprobs
 from gyre.types import Trajectory
 
 
@@ -77,13 +78,32 @@ def token_logprobs(
     temperature: float = 1.0,
     top_p: float = 1.0,
     with_entropy: bool = False,
+    options: ScoringOptions | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, under the sampling distribution.
 
     Returns (logprobs (B, T), entropy (B, T) or None); position 0 is 0.0 (no prefix).
+
+    By default the batch is packed and scored in chunks (:mod:`gyre.scoring`): padding is not
+    computed and the full-vocab log-softmax is never materialised for all positions at once;
+    the values are those of the plain path (padding positions read 0). ``options`` overrides
+    the defaults (``GYRE_PACK`` / ``GYRE_LOGPROB_CHUNK``); with both off this is the plain path.
+    ``entropy_grad`` (an entropy bonus in the loss) takes the plain path: the fast path's
+    entropy is a detached metric.
     """
+    opts = options or ScoringOptions.from_env()
+    if (opts.pack or opts.chunk > 0) and not (with_entropy and entropy_grad):
+        fast = chunked_token_logprobs(
+            model, batch.input_ids, batch.attention_mask, 0, temperature, top_p, opts
+        )
+        if fast is not None:
+            tok, ent = fast
+            return tok, ent if with_entropy else None
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return logits_to_token_logprobs(logits, batch.input_ids, temperature, top_p, with_entropy)
+    return logits_to_token_logprobs(
+        logits, batch.input_ids, temperature, top_p, with_entropy, entropy_grad
+    )
 
 
 def logits_to_token_logprobs(

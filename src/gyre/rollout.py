@@ -9,6 +9,7 @@ The policy's own tokens are never re-tokenised, so the trainer scores exactly wh
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gyre.engines.base import Engine
 from gyre.envs.base import Demonstrator, Env
-from gyre.types import GenerationRequest, SamplingParams, Trajectory
+from gyre.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
 _SESSION_COUNTER = iter(range(1 << 62))
 _log = logging.getLogger("gyre.rollout")
@@ -56,6 +57,14 @@ def stop_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if i is not None))
 
 
+def turn_seed(base: int | None, episode: int, turn: int) -> int | None:
+    """The request seed of (episode, turn) in a rollout seeded with ``base`` (None: unseeded)."""
+    if base is None:
+        return None
+    ss = np.random.SeedSequence([base % 2**63, episode, turn])
+    return int(ss.generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> np.uint64(2))
+
+
 def run_episodes(
     make_env: Callable[[], Env],
     engine: Engine,
@@ -64,11 +73,23 @@ def run_episodes(
     group_size: int,
     params: SamplingParams,
     stats: RolloutStats | None = None,
+    continuous: bool | None = None,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of every task seed, all turns batched through ``engine``.
 
     Trajectory ``k * group_size + j`` is sample j of task k and has ``group_id == k``.
+    With ``params.seed`` set, every turn of every episode gets its own request seed
+    (:func:`turn_seed`), so the sampled tokens do not depend on how turns are batched.
+    ``continuous`` (default: on unless ``GYRE_CONTINUOUS=0``) uses the engine's
+    ``generate_continuous`` where it has one; otherwise turns are batched in lockstep.
     """
+    if continuous is None:
+        continuous = os.environ.get("GYRE_CONTINUOUS", "1").strip().lower() not in (
+            "0",
+            "false",
+            "no",
+            "off",
+        )
     t0 = time.perf_counter()
     n = len(task_seeds) * group_size
     envs = [make_env() for _ in range(n)]
@@ -94,40 +115,69 @@ def run_episodes(
     reward = [0.0] * n
     turns = [0] * n
     truncated = [False] * n
-    active = [i for i in range(n) if i not in failed]
     gen_tokens = 0
-    while active:
-        reqs = [GenerationRequest(ids[i], session=sessions[i]) for i in active]
-        outs = engine.generate(reqs, params)
-        # Seed once per rollout: re-seeding every turn would replay the same random draws.
-        params = replace(params, seed=None)
-        still = []
-        for i, out in zip(active, outs, strict=True):
-            ids[i].extend(out.token_ids)
-            mask[i].extend([1] * len(out.token_ids))
-            lps[i].extend(out.logprobs)
-            gen_tokens += len(out.token_ids)
-            truncated[i] = out.finish_reason == "length"
-            text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            turns[i] += 1
-            try:
-                obs, r, done, info = envs[i].step(text)
-            except Exception:
-                infos[i] = _env_failure(i, int(task_seeds[i // group_size]), "step")
-                failed.add(i)
-                continue
-            reward[i] += r
-            infos[i] = info
-            if done:
-                continue
-            obs_ids = encode_obs(tokenizer, obs)
-            ids[i].extend(obs_ids)
-            mask[i].extend([0] * len(obs_ids))
-            lps[i].extend([0.0] * len(obs_ids))
-            still.append(i)
-        kept = set(still)
-        engine.release(sessions[i] for i in active if i not in kept)
-        active = still
+    base_seed = params.seed
+    # Seed once per rollout: re-seeding every turn would replay the same random draws.
+    params = replace(params, seed=None)
+
+    def request(i: int) -> GenerationRequest:
+        return GenerationRequest(
+            ids[i], session=sessions[i], seed=turn_seed(base_seed, i, turns[i])
+        )
+
+    def finish_turn(i: int, out: Completion) -> bool:
+        """Append the action and the env's answer to episode i; True if it goes on.
+
+        An env that raises in ``step`` ends the episode as failed (see :func:`_env_failure`).
+        """
+        nonlocal gen_tokens
+        ids[i].extend(out.token_ids)
+        mask[i].extend([1] * len(out.token_ids))
+        lps[i].extend(out.logprobs)
+        gen_tokens += len(out.token_ids)
+        truncated[i] = out.finish_reason == "length"
+        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        turns[i] += 1
+        try:
+            obs, r, done, info = envs[i].step(text)
+        except Exception:
+            infos[i] = _env_failure(i, int(task_seeds[i // group_size]), "step")
+            failed.add(i)
+            return False
+        reward[i] += r
+        infos[i] = info
+        if done:
+            return False
+        obs_ids = encode_obs(tokenizer, obs)
+        ids[i].extend(obs_ids)
+        mask[i].extend([0] * len(obs_ids))
+        lps[i].extend([0.0] * len(obs_ids))
+        return True
+
+    start = [i for i in range(n) if i not in failed]  # episodes whose reset succeeded
+    if continuous and hasattr(engine, "generate_continuous"):
+        # Continuous batching: an episode's next turn joins the running batch the moment its
+        # action is done, instead of waiting for every other episode's turn to finish.
+        episode_of = list(start)
+
+        def on_complete(index: int, out: Completion) -> GenerationRequest | None:
+            i = episode_of[index]
+            if not finish_turn(i, out):
+                engine.release([sessions[i]])
+                return None
+            episode_of.append(i)
+            return request(i)
+
+        if start:
+            engine.generate_continuous([request(i) for i in start], params, on_complete)
+    else:
+        active = start
+        while active:
+            outs = engine.generate([request(i) for i in active], params)
+            still = [i for i, out in zip(active, outs, strict=True) if finish_turn(i, out)]
+            kept = set(still)
+            engine.release(sessions[i] for i in active if i not in kept)
+            active = still
     for i in failed:  # a failed episode is kept for the record but never trained on
         mask[i] = [0] * len(mask[i])
         reward[i] = 0.0

@@ -8,6 +8,7 @@ tempered one are a known source of train/inference mismatch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -39,4 +40,44 @@ def sample_tokens(
         tokens = torch.argmax(logp, dim=-1)
     else:
         tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def keyed_uniforms(seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a pure function of (seed, counter) (splitmix64).
+
+    Counter-based randomness is what makes batched sampling reproducible row by row: the draw
+    for token k of a request depends on nothing but its seed and k, not on the batch around it.
+    """
+    with np.errstate(over="ignore"):
+        x = seeds.astype(np.uint64) * _GOLDEN + counters.astype(np.uint64) + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        x = x ^ (x >> np.uint64(31))
+    return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) / float(1 << 53))
+
+
+def sample_tokens_keyed(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    seeds: np.ndarray,
+    counters: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`sample_tokens`, but row i draws with :func:`keyed_uniforms` (inverse CDF).
+
+    Returns (tokens (B,), logprobs (B,)) under the same distribution as ``sampling_logprobs``.
+    """
+    logp = sampling_logprobs(logits, temperature, top_p)
+    if temperature == 0:
+        tokens = torch.argmax(logp, dim=-1)
+    else:
+        cdf = torch.cumsum(logp.double().exp(), dim=-1)
+        u = keyed_uniforms(seeds, counters).to(cdf.device).unsqueeze(-1) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=logp.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

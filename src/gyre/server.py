@@ -170,7 +170,7 @@ class ModelHost:
     ) -> list[Completion]:
         with self._lock:
             model = self.engine.model
-            self.engine._state = None  # a cache is only valid for the weights that made it
+            self.engine.reset_cache()  # a cache is only valid for the weights that made it
             if model_name == self.served_name:
                 if self.adapters:
                     with model.disable_adapter():
@@ -194,7 +194,7 @@ class ModelHost:
                     400, f"cannot load adapter from '{path}': {exc}", "lora_path"
                 ) from exc
             self.adapters[name] = path
-            self.engine._state = None
+            self.engine.reset_cache()
 
     def unload_lora(self, name: str) -> None:
         with self._lock:
@@ -206,7 +206,7 @@ class ModelHost:
                 model.delete_adapter(name)
             else:  # last adapter gone: take the LoRA layers out of the base model again
                 self.engine.model = model.unload().eval()
-            self.engine._state = None
+            self.engine.reset_cache()
 
     def update_weights(self, path: str, version: str | None) -> str:
         import safetensors.torch

@@ -33,6 +33,11 @@ class GenerationRequest:
 
     prompt_ids: list[int]
     session: Hashable | None = None
+    seed: int | None = None
+    """Per-request sampling seed. An engine that honours it draws this request's tokens from a
+    stream keyed only by (seed, token index), so the result does not depend on which other
+    requests share the batch, on their order, or on batch scheduling. ``None``: the engine draws
+    a seed from its own generator (reseeded by ``SamplingParams.seed``)."""
 
 
 @dataclass

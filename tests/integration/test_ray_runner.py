@@ -120,7 +120,13 @@ def test_sync_ray_run_matches_local_runner(sync_run, warm_model, tmp_path):
     for ra, rb in zip(a, b, strict=True):
         shared = set(ra) & set(rb)
         assert ra.keys() <= rb.keys() | {"policy_version"}
-        assert {k: ra[k] for k in shared} == {k: rb[k] for k in shared}
+        # The engine's batched logprobs equal one-at-a-time ones only to float rounding (its
+        # kernels see other batch shapes); the gaps (|trainer - rollout| logprob, ~1e-7 here)
+        # read that rounding. Tokens, losses, gradients and weights stay exactly equal.
+        noise = {"train/logprob_gap", "train/rollout_logprob_gap"}
+        assert {k: ra[k] for k in shared - noise} == {k: rb[k] for k in shared - noise}
+        for k in shared & noise:
+            assert ra[k] == pytest.approx(rb[k], abs=1e-6), k
     rewards = [r["rollout/reward_mean"] for r in a if "rollout/reward_mean" in r]
     assert any(0 < x < 1 for x in rewards), "the warm start should give varied rewards"
     assert any(r.get("train/grad_norm", 0) > 0 for r in a)

@@ -118,6 +118,9 @@ TINY = [
     "model.intermediate_size=64",
     "log.console=off",
     "run.threads=1",
+    # a seed whose first steps have reward variance (with keyed per-request sampling, seed 0
+    # samples no learning signal until step 3, which would make the resume check vacuous)
+    "run.seed=1",
     "env.name=arithmetic",
     "env.arithmetic.max_operand=2",
     "env.arithmetic.ops=+",

@@ -5,6 +5,11 @@ every turn (this is what the OpenAI-compatible completions API of vLLM / SGLang 
 server-side prefix caching makes it cheap). An in-process engine may keep KV caches per
 ``session`` and reuse them when a new prompt extends the old one; results never depend on it.
 
+Optional: ``generate_continuous(requests, params, on_complete)`` (``TorchEngine`` has it) lets
+a finished completion's follow-up request join the running batch at once (continuous
+batching); ``gyre.rollout.run_episodes`` uses it when present and falls back to lockstep turns.
+A request's ``seed`` keys its own random stream, so batching never changes its tokens.
+
 Engines that take weights from files also have ``load_adapter(path, version)`` (a peft adapter
 folder) and/or ``load_weights_from_disk(path, version)`` (a Hugging Face folder); both return
 once the new version serves (see :mod:`gyre.engines.sync`).

@@ -1,51 +1,216 @@
-"""An in-process engine: batched sampling with a Hugging Face model and its KV cache.
+"""An in-process engine: continuous batching over a Hugging Face model and its KV cache.
 
-Layout of the batched cache: every row starts with a real token at column 0 and new tokens are
-appended as right-padded chunks, so padding sits *inside* a row, never before its first token.
-Padding columns get attention-mask 0 and do not advance the row's position ids, so a row's
-positions are exactly those of its unpadded sequence (what the trainer sees). Because every query
-can attend to column 0, no attention row is ever fully masked (which would make sdpa emit NaN).
+Cache layout. The live rows share one ``DynamicCache`` of width L; ``colmask`` (B, L) marks the
+columns that hold a real token of each row. Rows may have masked holes (a row admitted into a
+wider batch, tokens appended after other rows' longer prefills); holes get attention-mask 0 and
+do not advance the row's position ids, so a row's positions are exactly those of its unpadded
+sequence (what the trainer sees). Keys are cached after RoPE, so real columns can be moved left
+(:meth:`_Batch.defrag`) without changing anything. Every query can attend to at least one real
+column of its own row, so sdpa never sees a fully masked row (which would give NaN).
 
-Multi-turn reuse: the engine remembers, per ``session``, the tokens whose keys/values are in the
-cache. A request whose prompt extends them only prefills the new suffix; rows of sessions not in
-the request are dropped from the batch (``batch_select_indices``). Identical prompts in a fresh
-batch (a GRPO group) are prefilled once and the cache is forked with a row gather.
+What is saved, each measurable on its own (``bench/rollout.py --engine-flags``):
+
+- **Prefix sharing** (``prefix_sharing``): identical prompts admitted together (a GRPO group)
+  are prefilled once; the cache rows are then forked G ways with a row gather.
+- **Compaction** (``compaction``): a row leaves the decode batch the step it finishes, so the
+  batch never decodes rows that are done. With ``compaction=False`` finished rows stay in
+  the batch as masked pad columns until the whole batch is done (static batching).
+- **Continuous batching**: ``max_batch_size`` bounds the live rows; waiting requests are
+  admitted the step slots free up. :meth:`TorchEngine.generate_continuous` takes a callback
+  that turns a finished completion into a follow-up request (the next turn of a multi-turn
+  episode), which is admitted at once instead of waiting for the slowest episode's turn.
+- **Session KV reuse**: a finished row with a ``session`` is parked (its real columns only);
+  a later request of the same session whose prompt extends the parked tokens prefills only
+  the new suffix.
+- **Last-position logits only**: the LM head runs on one position per row
+  (``logits_to_keep``), never on every prefill position.
+
+Sampling is counter-based (:func:`gyre.sampling.sample_tokens_keyed`): token k of a request is
+drawn from a uniform keyed by (request seed, k), so a request's tokens do not depend on the
+batch it shares, on the order of requests, or on any of the optimisations above (tested).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+import os
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import safetensors.torch
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from gyre.sampling import sample_tokens, sampling_logprobs
+from gyre.sampling import sample_tokens_keyed, sampling_logprobs
 from gyre.types import Completion, GenerationRequest, SamplingParams
+
+OnComplete = Callable[[int, Completion], GenerationRequest | None]
+"""Callback of :meth:`TorchEngine.generate_continuous`: (request index, completion) -> an
+optional follow-up request (admitted at once) or None."""
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _new_cache(model: torch.nn.Module) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise TypeError(
+            "TorchEngine needs a model whose DynamicCache has only plain DynamicLayer layers "
+            "(sliding-window / hybrid models are not supported)"
+        )
+    return cache
 
 
 @dataclass
-class _BatchState:
-    cache: DynamicCache
-    colmask: torch.Tensor  # (B, L) long: 1 where the cache column is a real token of the row
-    fed: list[list[int]]  # per row: the real tokens whose KV is in the cache
-    sessions: list[Hashable]
+class _Snapshot:
+    """The cache tensors of a batch at one step. Cache tensors are never written in place (every
+    append, gather or merge makes new ones), so holding references is a free, immutable copy."""
+
+    keys: list[torch.Tensor]  # per layer (B, H, L, D)
+    values: list[torch.Tensor]
+    colmask: torch.Tensor  # (B, L)
+
+
+@dataclass
+class _Parked:
+    """A finished session's cache: row ``row`` of a snapshot (no copy until it is re-admitted)."""
+
+    fed: list[int]
+    snap: _Snapshot
+    row: int
+
+
+@dataclass
+class _Row:
+    index: int  # position of the request in the results
+    session: Hashable | None
+    seed: int
+    fed: list[int]  # tokens whose keys/values are in the cache
+    out_ids: list[int] = field(default_factory=list)
+    out_lp: list[float] = field(default_factory=list)
+    out_top: list[dict[int, float]] = field(default_factory=list)
+    done: bool = False
+    reason: str = "length"
+
+
+class _Batch:
+    """The live rows, their shared cache, column mask and next-token logits."""
+
+    def __init__(
+        self, cache: DynamicCache, colmask: torch.Tensor, rows: list[_Row], logits: torch.Tensor
+    ) -> None:
+        self.cache, self.colmask, self.rows, self.logits = cache, colmask, rows, logits
+
+    def _layers(self) -> list[DynamicLayer]:
+        return self.cache.layers
+
+    def select(self, keep: list[int]) -> None:
+        idx = torch.tensor(keep, device=self.colmask.device)
+        for layer in self._layers():
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
+        self.colmask = self.colmask.index_select(0, idx)
+        self.logits = self.logits.index_select(0, idx)
+        self.rows = [self.rows[i] for i in keep]
+
+    def snapshot(self) -> _Snapshot:
+        layers = self._layers()
+        return _Snapshot([la.keys for la in layers], [la.values for la in layers], self.colmask)
+
+    def widen(self, width: int) -> None:
+        extra = width - self.colmask.shape[1]
+        if extra <= 0:
+            return
+        for layer in self._layers():
+            if layer.is_initialized:
+                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
+                layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
+        self.colmask = torch.nn.functional.pad(self.colmask, (0, extra))
+
+    def merge(self, other: _Batch) -> None:
+        """Append ``other``'s rows (the narrower one gets masked columns on the right)."""
+        width = max(self.colmask.shape[1], other.colmask.shape[1])
+        self.widen(width)
+        other.widen(width)
+        for a, b in zip(self._layers(), other._layers(), strict=True):
+            a.keys = torch.cat([a.keys, b.keys], dim=0)
+            a.values = torch.cat([a.values, b.values], dim=0)
+        self.colmask = torch.cat([self.colmask, other.colmask], dim=0)
+        self.logits = torch.cat([self.logits, other.logits], dim=0)
+        self.rows += other.rows
+
+    def defrag(self) -> None:
+        """Move every row's real columns to the left and drop the all-hole tail."""
+        counts = self.colmask.sum(dim=1)
+        width = int(counts.max())
+        order = torch.sort(self.colmask, dim=1, descending=True, stable=True).indices[:, :width]
+        for layer in self._layers():
+            B, H, _, D = layer.keys.shape
+            idx = order[:, None, :, None].expand(B, H, width, D)
+            layer.keys = layer.keys.gather(2, idx)
+            layer.values = layer.values.gather(2, idx)
+        self.colmask = (torch.arange(width, device=counts.device)[None] < counts[:, None]).long()
 
 
 class TorchEngine:
-    """Engine over a local ``transformers`` causal LM (any architecture with a DynamicCache)."""
+    """Engine over a local ``transformers`` causal LM (any architecture with a DynamicCache).
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, seed: int = 0) -> None:
+    ``max_batch_size`` (0 = unbounded) caps the rows decoded together; ``prefix_sharing`` and
+    ``compaction`` can be switched off (also by the env vars ``GYRE_PREFIX_SHARING=0`` and
+    ``GYRE_COMPACTION=0``) to measure what each buys. Results never depend on any of them.
+    ``compile_decode`` (or ``GYRE_COMPILE_DECODE=1``) runs the decode step through
+    ``torch.compile``; ``admit_ratio`` sets how many requests must wait (relative to running
+    rows) before a mid-decode admission prefill is worth its forward call.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        seed: int = 0,
+        max_batch_size: int = 0,
+        prefix_sharing: bool | None = None,
+        compaction: bool | None = None,
+        admit_ratio: float = 0.5,
+        compile_decode: bool | None = None,
+    ) -> None:
+        if max_batch_size < 0:
+            raise ValueError(f"max_batch_size must be >= 0 (0 = unbounded), got {max_batch_size}")
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
         self.version = 0
-        self._generator = torch.Generator(device=self.device)
+        self.max_batch_size = max_batch_size
+        self.prefix_sharing = (
+            _env_flag("GYRE_PREFIX_SHARING", True) if prefix_sharing is None else prefix_sharing
+        )
+        self.compaction = _env_flag("GYRE_COMPACTION", True) if compaction is None else compaction
+        self.admit_ratio = admit_ratio
+        if compile_decode is None:
+            compile_decode = _env_flag("GYRE_COMPILE_DECODE", False)
+        # torch.compile of the one-token decode step only (prefill stays eager). Off by default:
+        # it pays per step but costs minutes of compilation on a small CPU (docs/performance.md).
+        self._compiled = compile_decode
+        self._compiled_of: torch.nn.Module | None = None  # the model _compiled_step wraps
+        self._compiled_step: Callable[..., object] | None = None
+        self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
-        self._state: _BatchState | None = None
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0}
+        self._parked: dict[Hashable, _Parked] = {}
+        self.stats = {
+            "prefill_tokens": 0,  # real tokens pushed through prefill forwards
+            "decode_tokens": 0,  # real tokens pushed through decode forwards
+            "pad_tokens": 0,  # padding positions computed (wasted work)
+            "forward_calls": 0,
+        }
 
     # -- weight sync ----------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -54,7 +219,7 @@ class TorchEngine:
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor)
         self.version = version
-        self._state = None  # cached keys/values belong to the old weights
+        self._parked.clear()  # cached keys/values belong to the old weights
 
     def load_weights_from_disk(self, path: str | Path, version: int) -> int:
         """Full-weight sync from a Hugging Face folder's safetensors; returns ``version``."""
@@ -84,150 +249,317 @@ class TorchEngine:
             if name != active:
                 self.model.delete_adapter(name)
         self.version = version
-        self._state = None
+        self._parked.clear()  # cached keys/values belong to the old adapter
         return version
 
+    def reset_cache(self) -> None:
+        """Drop every parked session cache (after the weights or adapters changed)."""
+        self._parked.clear()
+
+    def _decode_model(self) -> Callable[..., object]:
+        """The forward of a one-token decode step: ``self.model``, or its compiled version.
+
+        Recompiled when ``self.model`` is replaced (a peft wrapper from :meth:`load_adapter` or
+        ``gyre serve``'s LoRA loading), so decode never runs a stale model object.
+        """
+        if not self._compiled:
+            return self.model
+        if self._compiled_step is None or self._compiled_of is not self.model:
+            self._compiled_step = torch.compile(self.model, dynamic=True)
+            self._compiled_of = self.model
+        return self._compiled_step
+
     def release(self, sessions: Iterable[Hashable]) -> None:
-        gone = set(sessions)
-        if self._state is not None and all(s in gone for s in self._state.sessions):
-            self._state = None
+        for s in sessions:
+            self._parked.pop(s, None)
 
     # -- generation -----------------------------------------------------------------------
-    @torch.no_grad()
     def generate(
         self, requests: list[GenerationRequest], params: SamplingParams
     ) -> list[Completion]:
-        if not requests:
-            return []
+        """Sample a completion for every request, in order.
+
+        Parked sessions that none of ``requests`` continues are dropped (as a batch of a new
+        rollout does not need the old one's caches).
+        """
+        wanted = {r.session for r in requests if r.session is not None}
+        for s in [s for s in self._parked if s not in wanted]:
+            del self._parked[s]
+        return self.generate_continuous(requests, params, None)
+
+    @torch.no_grad()
+    def generate_continuous(
+        self,
+        requests: list[GenerationRequest],
+        params: SamplingParams,
+        on_complete: OnComplete | None,
+    ) -> list[Completion]:
+        """Generate ``requests`` with continuous batching.
+
+        Each time a row finishes, ``on_complete(index, completion)`` may return a follow-up
+        request; it gets the next index and is admitted into the running batch as soon as a
+        slot is free. Returns every completion (initial requests, then follow-ups) by index.
+        """
         for i, r in enumerate(requests):
             if not r.prompt_ids:
                 raise ValueError(f"request {i} has an empty prompt")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if not requests:
+            return []
         if params.seed is not None:
             self._generator.manual_seed(params.seed)
-        logits = self._prefill(requests)  # (B, V): next-token logits of each row
-        state = self._state
-        assert state is not None
-        B = len(requests)
         stop = set(params.stop_token_ids)
-        out_ids: list[list[int]] = [[] for _ in range(B)]
-        out_lp: list[list[float]] = [[] for _ in range(B)]
-        k = params.top_logprobs
-        out_top: list[list[dict[int, float]]] = [[] for _ in range(B)]
-        finished = [False] * B
-        reasons = ["length"] * B
-        for step in range(params.max_new_tokens):
-            tokens, logps = sample_tokens(logits, params.temperature, params.top_p, self._generator)
-            tok_list, lp_list = tokens.tolist(), logps.tolist()
-            if k > 0:
-                top = sampling_logprobs(logits, params.temperature, params.top_p).topk(k, dim=-1)
-                top_v, top_i = top.values.tolist(), top.indices.tolist()
-            for i in range(B):
-                if finished[i]:
+        waiting: deque[tuple[int, GenerationRequest, int]] = deque()
+        results: dict[int, Completion] = {}
+        counter = 0
+
+        def enqueue(req: GenerationRequest) -> None:
+            nonlocal counter
+            if not req.prompt_ids:
+                raise ValueError(f"request {counter} has an empty prompt")
+            seed = req.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
+            waiting.append((counter, req, seed))
+            counter += 1
+
+        for r in requests:
+            enqueue(r)
+        batch: _Batch | None = None
+        limit = self.max_batch_size or (1 << 62)
+        while waiting or batch is not None:
+            live = 0 if batch is None else len(batch.rows)
+            can_admit = limit - live if self.compaction or batch is None else 0
+            # An admission costs a prefill forward of its own; on a small model the forward's
+            # fixed cost dominates, so admit in bunches: when the batch is empty, slots are
+            # short, or at least ``admit_ratio`` x as many requests wait as rows run.
+            worth = (
+                batch is None
+                or len(waiting) >= can_admit
+                or len(waiting) >= self.admit_ratio * live
+            )
+            if waiting and can_admit > 0 and worth:
+                admit = [waiting.popleft() for _ in range(min(can_admit, len(waiting)))]
+                fresh = self._admit(admit)
+                if batch is None:
+                    batch = fresh
+                else:
+                    batch.merge(fresh)
+            assert batch is not None
+            pending = [i for i, row in enumerate(batch.rows) if not row.done]
+            self._sample(batch, pending, params, stop)
+            finished = [i for i in pending if batch.rows[i].done]
+            follow: list[GenerationRequest] = []
+            snap = batch.snapshot() if finished else None
+            for i in finished:
+                row = batch.rows[i]
+                if row.session is not None:
+                    assert snap is not None
+                    self._parked[row.session] = _Parked(list(row.fed), snap, i)
+                comp = Completion(
+                    row.out_ids,
+                    row.out_lp,
+                    row.reason,
+                    row.out_top if params.top_logprobs > 0 else None,
+                )
+                results[row.index] = comp
+                if on_complete is not None:
+                    nxt = on_complete(row.index, comp)
+                    if nxt is not None:
+                        follow.append(nxt)
+            for req in follow:
+                enqueue(req)
+            if self.compaction:
+                keep = [i for i, row in enumerate(batch.rows) if not row.done]
+                if not keep:
+                    batch = None
                     continue
-                out_ids[i].append(tok_list[i])
-                out_lp[i].append(lp_list[i])
-                if k > 0:
-                    out_top[i].append(dict(zip(top_i[i], top_v[i], strict=True)))
-                if tok_list[i] in stop:
-                    finished[i] = True
-                    reasons[i] = "stop"
-            if all(finished) or step == params.max_new_tokens - 1:
-                break
-            # Feed the tokens just sampled; finished rows get a masked pad column.
-            chunk = [[] if finished[i] else [tok_list[i]] for i in range(B)]
-            logits = self._feed(chunk)
-        return [
-            Completion(out_ids[i], out_lp[i], reasons[i], out_top[i] if k > 0 else None)
-            for i in range(B)
-        ]
+                if len(keep) != len(batch.rows):
+                    batch.select(keep)
+            elif all(row.done for row in batch.rows):
+                batch = None
+                continue
+            chunk = [[] if row.done else [row.out_ids[-1]] for row in batch.rows]
+            batch.logits = self._feed(batch, chunk)
+            B, L = batch.colmask.shape
+            if L >= 32 and int(batch.colmask.sum()) < B * L // 2:
+                batch.defrag()
+        return [results[i] for i in range(counter)]
 
-    def _prefill(self, requests: list[GenerationRequest]) -> torch.Tensor:
-        state = self._state
-        reuse = state is not None and all(r.session is not None for r in requests)
-        if reuse:
-            assert state is not None
-            index = {s: i for i, s in enumerate(state.sessions)}
-            rows = []
-            for r in requests:
-                i = index.get(r.session)
-                if i is None:
-                    reuse = False
-                    break
-                fed = state.fed[i]
-                if len(r.prompt_ids) <= len(fed) or r.prompt_ids[: len(fed)] != fed:
-                    reuse = False
-                    break
-                rows.append(i)
-            if reuse and len(set(rows)) != len(rows):
-                reuse = False
-        if reuse:
-            assert state is not None
-            if rows != list(range(len(state.sessions))):
-                idx = torch.tensor(rows, device=self.device)
-                state.cache.batch_select_indices(idx)
-                state.colmask = state.colmask[idx]
-                state.fed = [state.fed[i] for i in rows]
-            state.sessions = [r.session for r in requests]
-            chunk = [r.prompt_ids[len(f) :] for r, f in zip(requests, state.fed, strict=True)]
-            return self._feed(chunk)
-
-        # Fresh batch. Prefill each distinct prompt once, then fork rows (prefix sharing).
-        keys = [tuple(r.prompt_ids) for r in requests]
-        uniq: dict[tuple[int, ...], int] = {}
-        inverse = [uniq.setdefault(k, len(uniq)) for k in keys]
-        uniq_prompts = [list(k) for k in uniq]
-        self._state = _BatchState(
-            cache=DynamicCache(config=self.model.config),
-            colmask=torch.zeros(len(uniq_prompts), 0, dtype=torch.long, device=self.device),
-            fed=[[] for _ in uniq_prompts],
-            sessions=[None] * len(uniq_prompts),
+    def _sample(
+        self, batch: _Batch, pending: list[int], params: SamplingParams, stop: set[int]
+    ) -> None:
+        rows = [batch.rows[i] for i in pending]
+        logits = batch.logits if len(pending) == len(batch.rows) else batch.logits[pending]
+        seeds = np.array([r.seed for r in rows], dtype=np.uint64)
+        counters = np.array([len(r.out_ids) for r in rows], dtype=np.uint64)
+        tokens, logps = sample_tokens_keyed(
+            logits, params.temperature, params.top_p, seeds, counters
         )
-        logits = self._feed(uniq_prompts)
-        state = self._state
-        if len(uniq_prompts) != len(requests):
-            idx = torch.tensor(inverse, device=self.device)
-            state.cache.batch_select_indices(idx)
-            state.colmask = state.colmask[idx]
-            state.fed = [list(state.fed[j]) for j in inverse]
-            logits = logits[idx]
-        state.sessions = [r.session for r in requests]
-        return logits
+        k = params.top_logprobs
+        if k > 0:
+            # The k most likely tokens under the distribution sampled from (after temperature
+            # and top-p), as OpenAI's ``logprobs``/``top_logprobs`` report them.
+            top = sampling_logprobs(logits, params.temperature, params.top_p).topk(k, dim=-1)
+            top_v, top_i = top.values.tolist(), top.indices.tolist()
+        for j, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist(), strict=True)):
+            row.out_ids.append(tok)
+            row.out_lp.append(lp)
+            if k > 0:
+                row.out_top.append(dict(zip(top_i[j], top_v[j], strict=True)))
+            if tok in stop:
+                row.done, row.reason = True, "stop"
+            elif len(row.out_ids) >= params.max_new_tokens:
+                row.done = True
 
-    def _feed(self, chunk: list[list[int]]) -> torch.Tensor:
+    def _admit(self, items: list[tuple[int, GenerationRequest, int]]) -> _Batch:
+        """Prefill newly admitted requests as their own batch (to be merged into the live one).
+
+        A request continuing a parked session starts from the parked columns and prefills only
+        the new suffix; identical fresh prompts are prefilled once and forked.
+        """
+        uniq: dict[tuple[int, ...], int] = {}
+        sources: list[tuple[_Parked | None, list[int]]] = []  # per prefill row
+        row_of: list[int] = []  # per item: its prefill row
+        for _, req, _ in items:
+            parked = self._parked.get(req.session) if req.session is not None else None
+            if parked is not None:
+                self._parked.pop(req.session)
+                n = len(parked.fed)
+                if len(req.prompt_ids) > n and req.prompt_ids[:n] == parked.fed:
+                    row_of.append(len(sources))
+                    sources.append((parked, list(req.prompt_ids)))
+                    continue
+            key = tuple(req.prompt_ids)
+            if self.prefix_sharing and key in uniq:
+                row_of.append(uniq[key])
+                continue
+            uniq[key] = len(sources)
+            row_of.append(len(sources))
+            sources.append((None, list(req.prompt_ids)))
+        cache, colmask = self._gather_parked(sources)
+        proto = [_Row(-1, None, 0, list(p.fed) if p is not None else []) for p, _ in sources]
+        pre = _Batch(cache, colmask, proto, torch.empty(0))
+        chunk = [prompt[len(proto[j].fed) :] for j, (_, prompt) in enumerate(sources)]
+        pre.logits = self._feed(pre, chunk)
+        if len(sources) != len(items) or row_of != list(range(len(items))):
+            pre.select(row_of)  # fork shared prefills G ways (a row gather of the cache)
+        pre.rows = [
+            _Row(index, req.session, seed, list(req.prompt_ids)) for index, req, seed in items
+        ]
+        return pre
+
+    def _gather_parked(
+        self, sources: list[tuple[_Parked | None, list[int]]]
+    ) -> tuple[DynamicCache, torch.Tensor]:
+        """The cache of an admission batch: parked rows gathered from their snapshots (one
+        gather per snapshot and layer, none at all when a whole snapshot comes back in order),
+        fresh rows empty. Columns are padded (masked) to the widest snapshot."""
+        cache = _new_cache(self.model)
+        groups: dict[int, list[int]] = {}  # id(snapshot) -> source rows
+        for j, (p, _) in enumerate(sources):
+            if p is not None:
+                groups.setdefault(id(p.snap), []).append(j)
+        if not groups:
+            return cache, torch.zeros(len(sources), 0, dtype=torch.long, device=self.device)
+        parts: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = []
+        for rows in groups.values():
+            snap = sources[rows[0]][0].snap  # type: ignore[union-attr]
+            idx = [sources[j][0].row for j in rows]  # type: ignore[union-attr]
+            if idx == list(range(snap.colmask.shape[0])):
+                parts.append((rows, snap.keys, snap.values, snap.colmask))
+            else:
+                t = torch.tensor(idx, device=self.device)
+                parts.append(
+                    (
+                        rows,
+                        [k.index_select(0, t) for k in snap.keys],
+                        [v.index_select(0, t) for v in snap.values],
+                        snap.colmask.index_select(0, t),
+                    )
+                )
+        width = max(part[3].shape[1] for part in parts)
+        n_fresh = sum(1 for p, _ in sources if p is None)
+        order = [j for part in parts for j in part[0]] + [
+            j for j, (p, _) in enumerate(sources) if p is None
+        ]
+        pad = torch.nn.functional.pad
+        n_layers = len(parts[0][1])
+        for li in range(n_layers):
+            ks, vs = [], []
+            for _, keys, values, cm in parts:
+                extra = width - cm.shape[1]
+                ks.append(pad(keys[li], (0, 0, 0, extra)) if extra else keys[li])
+                vs.append(pad(values[li], (0, 0, 0, extra)) if extra else values[li])
+            if n_fresh:
+                _, H, _, D = ks[0].shape
+                ks.append(ks[0].new_zeros(n_fresh, H, width, D))
+                vs.append(vs[0].new_zeros(n_fresh, H, width, D))
+            k = ks[0] if len(ks) == 1 else torch.cat(ks, dim=0)
+            v = vs[0] if len(vs) == 1 else torch.cat(vs, dim=0)
+            layer = cache.layers[li]
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v  # no copy: nothing writes cache tensors in place
+        masks = [pad(cm, (0, width - cm.shape[1])) for *_, cm in parts]
+        if n_fresh:
+            masks.append(masks[0].new_zeros(n_fresh, width))
+        colmask = masks[0] if len(masks) == 1 else torch.cat(masks, dim=0)
+        if order != list(range(len(sources))):
+            inv = torch.empty(len(order), dtype=torch.long)
+            inv[torch.tensor(order)] = torch.arange(len(order))
+            inv = inv.to(self.device)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, inv)
+                layer.values = layer.values.index_select(0, inv)
+            colmask = colmask.index_select(0, inv)
+        return cache, colmask
+
+    def _feed(self, batch: _Batch, chunk: list[list[int]]) -> torch.Tensor:
         """Append one right-padded chunk of tokens per row; return each row's last logits.
 
         A row with an empty chunk gets a masked pad column and its returned logits are unused.
         """
-        state = self._state
-        assert state is not None
         B = len(chunk)
         C = max(1, max(len(c) for c in chunk))
-        ids = torch.full((B, C), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, C), dtype=torch.long)
-        pos = torch.zeros((B, C), dtype=torch.long)
-        last = torch.zeros(B, dtype=torch.long)
+        # Built as Python lists and converted once: per-row tensor writes cost more than the
+        # forward of a small model.
+        ids_l: list[list[int]] = []
+        mask_l: list[list[int]] = []
+        pos_l: list[list[int]] = []
+        keep_l: list[int] = []
+        pad = self.pad_token_id
         for i, c in enumerate(chunk):
-            n, start = len(c), len(state.fed[i])
-            if n:
-                ids[i, :n] = torch.tensor(c)
-                mask[i, :n] = 1
-                pos[i, :n] = torch.arange(start, start + n)
-                last[i] = n - 1
-            pos[i, n:] = start + max(n - 1, 0)
-            state.fed[i].extend(c)
+            fed = batch.rows[i].fed
+            n, start = len(c), len(fed)
+            last = start + max(n - 1, 0)
+            ids_l.append([*c, *([pad] * (C - n))])
+            mask_l.append([1] * n + [0] * (C - n))
+            pos_l.append([*range(start, start + n), *([last] * (C - n))])
+            keep_l.append(max(n - 1, 0))
+            fed.extend(c)
+        ids = torch.tensor(ids_l, dtype=torch.long)
+        mask = torch.tensor(mask_l, dtype=torch.long)
+        pos = torch.tensor(pos_l, dtype=torch.long)
+        keep = torch.zeros((B, C), dtype=torch.bool)
+        keep[torch.arange(B), torch.tensor(keep_l)] = True
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        state.colmask = torch.cat([state.colmask, mask], dim=1)
-        out = self.model(
+        batch.colmask = torch.cat([batch.colmask, mask], dim=1)
+        forward = self._decode_model() if C == 1 else self.model
+        out = forward(
             input_ids=ids,
-            attention_mask=state.colmask,
+            attention_mask=batch.colmask,
             position_ids=pos,
-            cache=state.cache,
+            cache=batch.cache,
             use_cache=True,
+            logits_to_keep=1 if C == 1 else keep.to(self.device),
         )
         n_real = int(mask.sum())
         self.stats["forward_calls"] += 1
+        self.stats["pad_tokens"] += B * C - n_real
         if C == 1:
             self.stats["decode_tokens"] += n_real
         else:
             self.stats["prefill_tokens"] += n_real
-        return out.logits[torch.arange(B, device=self.device), last.to(self.device)]
+        logits = out.logits
+        return logits[:, -1] if logits.ndim == 3 else logits
