@@ -86,7 +86,8 @@ class MazeConfig(_Section):
         "the open moves + goal offset; window: a local square; grid: the whole grid every turn.",
     )
     view: int = Field(
-        1, ge=1, description="View radius: compass cells within this many moves; window half-width."
+        1, ge=1, description="View radius: compass cells within this many moves; exits looks 1 or 2"
+        " moves ahead; window half-width."
     )
 
 

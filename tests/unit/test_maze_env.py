@@ -206,9 +206,45 @@ def test_exits_observation_matches_documented_format():
                 assert _inside(env, _target(env, name)) and not env.walls[_target(env, name)]
 
 
-def test_exits_observation_needs_view_1():
+def test_exits_observation_looks_one_or_two_moves_ahead():
     with pytest.raises(ValueError, match="view"):
-        MazeEnv(observation="exits", view=2)
+        MazeEnv(observation="exits", view=3)
+
+
+def _free(env: MazeEnv, cell: tuple[int, int]) -> bool:
+    return _inside(env, cell) and not env.walls[cell]
+
+
+def test_exits_view_2_lists_onward_moves_without_the_way_back():
+    """view=2: every open move, its cell, then the moves open from that neighbour in upper case
+    (never the way back); checked against the walls directly, on every turn of random walks."""
+    env = MazeEnv(observation="exits", view=2)
+    rng = np.random.default_rng(3)
+    back = {"u": "d", "d": "u", "l": "r", "r": "l"}
+    seen_dead_end = False
+    for seed in range(20):
+        obs = env.reset(seed).split("\n")[-1]
+        while True:
+            *entries, offset = obs.split(" ")
+            assert offset == _expected_view(env)[4:]  # the goal offset and the prompt
+            expected = []
+            for name in MOVES:
+                nb = _target(env, name)
+                if not _free(env, nb):
+                    continue
+                onward = "".join(
+                    m.upper()
+                    for m, (dr, dc) in MOVES.items()
+                    if m != back[name] and _free(env, (nb[0] + dr, nb[1] + dc))
+                )
+                cell = "G" if nb == env.goal else "+" if nb in env.visited else "."
+                expected.append(name + cell + onward)
+                seen_dead_end |= onward == "" and cell != "G"
+            assert entries == expected
+            if env.done:
+                break
+            obs, _, _, _ = env.step(env.random_action(rng))
+    assert seen_dead_end  # the walks met at least one dead end (an entry with no onward move)
 
 
 def test_visited_cells_are_marked():

@@ -31,6 +31,14 @@ then a space, the goal offset and ``>``::
     r.l+ u2r0>    <- open: right (free) and left (already visited); goal 2 up, 0 right
 
 Walls are simply absent, so the letter the policy writes is one it can copy from the view.
+With ``view=2`` the view also looks one move further: each open move is followed by the moves
+that are open from that neighbour, in upper case and without the way back, and the entries are
+separated by spaces::
+
+    r.UD l+ u2r0>  <- right is free and from there up and down are open; left is a dead end
+
+That is the 12 cells within two moves (what ``compass`` shows with ``view=2``), grouped by the
+move that leads to them; no search is involved.
 
 ``window``: every turn, a ``(2 * view + 1)`` square window centred on the agent (``A``), then
 the offset and ``>``. ``grid``: every turn, the whole grid, then the offset and ``>``.
@@ -121,9 +129,9 @@ class MazeEnv:
             raise ValueError(
                 f"maze observation must be one of {', '.join(OBSERVATIONS)}, got {observation!r}"
             )
-        if observation == "exits" and view != 1:
+        if observation == "exits" and view not in (1, 2):
             raise ValueError(
-                f"the exits observation shows the four neighbours only (view=1), got view={view}"
+                f"the exits observation looks one or two moves ahead (view=1 or 2), got view={view}"
             )
         self.view = view
         self.observation = observation
@@ -197,6 +205,26 @@ class MazeEnv:
         dr, dc = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
         return f"{'u' if dr < 0 else 'd'}{abs(dr)}{'l' if dc < 0 else 'r'}{abs(dc)}"
 
+    def _exits(self) -> str:
+        """The open moves with their cells; with ``view=2`` each is followed by the moves that
+        are open from that neighbour (upper case, the way back left out) and a space."""
+        out = []
+        for name, (dr, dc) in MOVES.items():
+            r, c = self.pos[0] + dr, self.pos[1] + dc
+            cell = self._cell(r, c)
+            if cell == "#":
+                continue
+            if self.view == 1:
+                out.append(name + cell)
+                continue
+            onward = "".join(
+                nxt.upper()
+                for nxt, (dr2, dc2) in MOVES.items()
+                if (dr2, dc2) != (-dr, -dc) and self._cell(r + dr2, c + dc2) != "#"
+            )
+            out.append(name + cell + onward)
+        return ("" if self.view == 1 else " ").join(out)
+
     def _grid(self) -> list[str]:
         return ["".join(self._cell(r, c) for c in range(self.size)) for r in range(self.size)]
 
@@ -208,9 +236,7 @@ class MazeEnv:
             view = near + self._offset() + ">"
             return "\n".join([*self._grid(), view]) if first else view
         if self.observation == "exits":
-            cells = ((name, self._cell(pr + dr, pc + dc)) for name, (dr, dc) in MOVES.items())
-            view = "".join(name + cell for name, cell in cells if cell != "#")
-            view += " " + self._offset() + ">"
+            view = self._exits() + " " + self._offset() + ">"
             return "\n".join([*self._grid(), view]) if first else view
         if self.observation == "window":
             rows = [
