@@ -216,8 +216,9 @@ def _free(env: MazeEnv, cell: tuple[int, int]) -> bool:
 
 
 def test_exits_view_2_lists_onward_moves_without_the_way_back():
-    """view=2: every open move, its cell, then the moves open from that neighbour in upper case
-    (never the way back); checked against the walls directly, on every turn of random walks."""
+    """view=2: the goal offset, then every open move, its cell and the moves open from that
+    neighbour in upper case (never the way back); checked against the walls directly, on every
+    turn of random walks."""
     env = MazeEnv(observation="exits", view=2)
     rng = np.random.default_rng(3)
     back = {"u": "d", "d": "u", "l": "r", "r": "l"}
@@ -225,8 +226,9 @@ def test_exits_view_2_lists_onward_moves_without_the_way_back():
     for seed in range(20):
         obs = env.reset(seed).split("\n")[-1]
         while True:
-            *entries, offset = obs.split(" ")
-            assert offset == _expected_view(env)[4:]  # the goal offset and the prompt
+            assert obs.endswith(">")
+            offset, *entries = obs[:-1].split(" ")
+            assert offset + ">" == _expected_view(env)[4:]  # the goal offset comes first
             expected = []
             for name in MOVES:
                 nb = _target(env, name)

@@ -32,10 +32,11 @@ then a space, the goal offset and ``>``::
 
 Walls are simply absent, so the letter the policy writes is one it can copy from the view.
 With ``view=2`` the view also looks one move further: each open move is followed by the moves
-that are open from that neighbour, in upper case and without the way back, and the entries are
-separated by spaces::
+that are open from that neighbour, in upper case and without the way back, the entries are
+separated by spaces, and the goal offset comes first, so that the exits sit next to the prompt::
 
-    r.UD l+ u2r0>  <- right is free and from there up and down are open; left is a dead end
+    u2r0 r.UD l+>  <- goal 2 up; right is free and from there up and down are open; left is a
+                      dead end
 
 That is the 12 cells within two moves (what ``compass`` shows with ``view=2``), grouped by the
 move that leads to them; no search is involved.
@@ -236,7 +237,10 @@ class MazeEnv:
             view = near + self._offset() + ">"
             return "\n".join([*self._grid(), view]) if first else view
         if self.observation == "exits":
-            view = self._exits() + " " + self._offset() + ">"
+            if self.view == 1:
+                view = self._exits() + " " + self._offset() + ">"
+            else:  # the exits next to the prompt: measured to train faster (maze-experiments)
+                view = self._offset() + " " + self._exits() + ">"
             return "\n".join([*self._grid(), view]) if first else view
         if self.observation == "window":
             rows = [
