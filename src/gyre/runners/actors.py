@@ -65,14 +65,35 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def threads(self) -> int:
+        """torch intra-op threads of this actor (``run.threads`` / the role's CPUs)."""
+        return torch.get_num_threads()
+
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Weight sync from the trainer; returns the seconds the copy took."""
         t0 = time.perf_counter()
         self.engine.load_weights(state, version)
         return time.perf_counter() - t0
 
-    def rollout(self, share: Share) -> dict[str, Any]:
-        """Play ``group_size`` episodes of each task of ``share`` with the current weights."""
+    def _catch_up(self, weights: list[Any] | None, version: int) -> float:
+        """Load ``weights[0]`` (an object-store reference, boxed in a list so Ray does not fetch
+        it for every call) when it is newer than the engine's; returns the seconds spent."""
+        if not weights or version <= self.engine.version:
+            return 0.0
+        import ray
+
+        t0 = time.perf_counter()
+        state = weights[0] if isinstance(weights[0], dict) else ray.get(weights[0])
+        self.engine.load_weights(state, version)
+        return time.perf_counter() - t0
+
+    def rollout(
+        self, share: Share, weights: list[Any] | None = None, version: int = -1
+    ) -> dict[str, Any]:
+        """Play ``group_size`` episodes of each task of ``share``, first loading ``weights`` of
+        ``version`` if the engine is older: the weight sync rides on the rollout call."""
+        t_call = time.perf_counter()
+        load_s = self._catch_up(weights, version)
         cfg = self.cfg
         seeds = [
             train_seed(cfg.run.seed, STREAM_GRPO, share.first_task + k)
@@ -100,9 +121,12 @@ class RolloutWorker:
             "seconds": stats.seconds,
             "worker": self.index,
             "version": self.engine.version,
+            "load_s": load_s,
+            "wall_s": time.perf_counter() - t_call,
         }
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, weights: list[Any] | None = None, version: int = -1) -> dict[str, float]:
+        self._catch_up(weights, version)
         return run_eval(self.cfg, self.engine, self.tokenizer)
 
     def release_memory(self) -> None:
@@ -141,6 +165,9 @@ class TrainerRank:
         self.optimizer: torch.optim.Optimizer | None = None
         self.resume_checkpoint = resume_checkpoint
         self.comm: TorchCollective | None = None
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: an address and free port for the process group."""
@@ -184,7 +211,8 @@ class TrainerRank:
     def update(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
         """Phases 3-4 on this rank's shard of whole groups (advantages need whole groups)."""
         assert self.optimizer is not None, "init_group first"
-        return update_phase(
+        t0 = time.perf_counter()
+        m = update_phase(
             self.cfg,
             step,
             self.model,
@@ -194,6 +222,21 @@ class TrainerRank:
             self.ref_model,
             comm=self.comm,
         )
+        m["time/trainer_update_s"] = time.perf_counter() - t0
+        return m
+
+    def update_and_gather(
+        self, step: int, trajs: list[Trajectory]
+    ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """``update`` then ``get_weights`` in one call (called with ``num_returns=2``): the
+        weights go from this actor into the object store and on to the engines without a second
+        round trip and without passing through the driver."""
+        m = self.update(step, trajs)
+        t0 = time.perf_counter()
+        state, nbytes = self.get_weights()
+        m["time/sync_gather_s"] = time.perf_counter() - t0
+        m["sync/bytes"] = float(nbytes)
+        return m, state
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """(full CPU state dict, its bytes); under FSDP2 every rank must call it (a gather)."""
