@@ -24,19 +24,23 @@ def bench_overrides(seed: int, tasks: int = TASKS, group: int = GROUP) -> list[s
     ]
 
 
-def warm_start(overrides: list[str], root: Path, sft_steps: int, cache: Path | None = None) -> Path:
-    """One SFT warm start (in this process) that every mode starts from; reused from ``cache``
-    when it holds one made with the same overrides and step count."""
+def warm_start(
+    seed: int, root: Path, sft_steps: int, cache: Path | None = None, demos: int = 4000
+) -> Path:
+    """One SFT warm start (in this process; the default SFT config is 600 steps on 4000 demos)
+    that every mode starts from; reused from ``cache`` when it was made with the same settings."""
     from gyre import loop
     from gyre.config import load_config
 
-    key = "|".join([*overrides, f"sft.steps={sft_steps}"])
+    overrides = bench_overrides(seed)
+    key = "|".join([*overrides, f"sft.steps={sft_steps}", f"sft.demos={demos}"])
     if cache is not None and (cache / "sft" / "config.json").is_file():
         if (cache / "key.txt").read_text() == key:
             print(f"SFT warm start: reused {cache / 'sft'}", flush=True)
             return cache / "sft"
     cfg = load_config(
-        None, [*overrides, f"run.dir={root / 'warm'}", f"sft.steps={sft_steps}", "sft.demos=2000"]
+        None,
+        [*overrides, f"run.dir={root / 'warm'}", f"sft.steps={sft_steps}", f"sft.demos={demos}"],
     )
     run_dir, device = loop.setup(cfg)
     t0 = time.perf_counter()

@@ -158,7 +158,8 @@ def _median(rows: list[dict[str, float]], key: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--sft-steps", type=int, default=200)
+    p.add_argument("--sft-steps", type=int, default=600, help="the maze default: 600")
+    p.add_argument("--sft-demos", type=int, default=4000, help="the maze default: 4000")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-ray", action="store_true", help="part 1 only")
     p.add_argument("--root", default="", help="work dir (default: a new temp dir)")
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(a.root or tempfile.mkdtemp(prefix="gprof", dir="/tmp"))
     base = [*bench_overrides(a.seed), *a.overrides]
-    warm = warm_start(base, root, a.sft_steps, Path(a.warm_cache) if a.warm_cache else None)
+    cache = Path(a.warm_cache) if a.warm_cache else None
+    warm = warm_start(a.seed, root, a.sft_steps, cache, a.sft_demos)
     over = [*base, f"model.path={warm}", "sft.steps=0"]
     cfg = load_config(None, [*over, f"run.dir={root / 'inproc'}"])
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
@@ -187,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"| {k} | {v:.3f} | {v / total:.0%} |")
     print(f"| **train total** | {train:.3f} | {train / total:.0%} |")
-    print(f"train / generate = {train / gen:.2f}; overlap ceiling (g+t)/max(g,t) = "
-          f"{(gen + train) / max(gen, train):.2f}")
+    print(
+        f"train / generate = {train / gen:.2f}; overlap ceiling (g+t)/max(g,t) = "
+        f"{(gen + train) / max(gen, train):.2f}"
+    )
     print(f"groups with zero reward std: {ZERO_STD[0] / max(ZERO_STD[1], 1):.0%}")
     out: dict[str, Any] = {"in_process": per_step, "train_over_gen": train / gen}
     if not a.no_ray:

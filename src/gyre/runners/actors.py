@@ -194,7 +194,8 @@ class TrainerRank:
             timeout=timedelta(minutes=10),
         )
         if self.strategy == "fsdp2":
-            torch.cuda.set_device(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             self.model = shard_fsdp2(self.model)
             self.comm = FSDPCollective()
         else:
