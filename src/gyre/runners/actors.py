@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gyre.checkpoint import load_checkpoint_state, save_checkpoint
+from gyre.checkpoint import load_checkpoint_state
 from gyre.config import Config
 from gyre.distributed import (
     FSDPCollective,
@@ -31,6 +31,7 @@ from gyre.envs import env_factory
 from gyre.evaluate import train_seed
 from gyre.loop import STREAM_GRPO, _sampling, run_eval, update_phase
 from gyre.model import load_pretrained
+from gyre.resilience import Checkpointer
 from gyre.rollout import RolloutStats, run_episodes
 from gyre.runners.scheduler import Share
 from gyre.types import Trajectory
@@ -245,12 +246,16 @@ class TrainerRank:
         state = self.comm.full_state_dict(self.model)
         return state, state_bytes(state)
 
-    def save(self, step: int, state: dict[str, Any], keep: int) -> str:
+    def save(self, step: int, state: dict[str, Any], keep: int) -> str | None:
+        """A GRPO checkpoint through the local loop's :class:`~gyre.resilience.Checkpointer`
+        (same layout, config hash, metrics offset, retention ``checkpoint.keep`` and
+        ``checkpoint.on_error``); None when the write failed and the policy is to continue."""
         assert self.optimizer is not None
-        path = save_checkpoint(
-            Path(self.cfg.run.dir), step, self.model, self.tokenizer, self.optimizer, state, keep
-        )
-        return str(path)
+        run_dir = Path(self.cfg.run.dir)
+        return Checkpointer(self.cfg, run_dir).save(
+            "grpo", step, self.model, self.tokenizer, self.optimizer, state,
+            run_dir / "metrics.jsonl",
+        )  # fmt: skip
 
     def save_final(self, out_dir: str) -> None:
         import shutil

@@ -42,6 +42,7 @@ import torch
 from gyre.checkpoint import list_checkpoints
 from gyre.config import Config, tasks_per_share
 from gyre.loop import base_model_path, rollout_metrics, rollout_seed, run_sft, setup
+from gyre.resilience import StopGuard, preempt_if_requested
 from gyre.runners import require_ray
 from gyre.runners.actors import RolloutWorker, TrainerRank
 from gyre.runners.scheduler import Group, ShareScheduler
@@ -434,7 +435,7 @@ class RayRun:
                         }
                         f.write(json.dumps(row) + "\n")
 
-    def _checkpoint(self, step: int) -> None:
+    def _checkpoint(self, step: int) -> str | None:
         state = {
             "cursor": self.sched.finalized,
             "dropped": self.sched.dropped,
@@ -442,10 +443,14 @@ class RayRun:
             "policy_version": self.version,
             "counters": self.counters,
         }
-        _trainer_get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
+        return _trainer_get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
 
     # -- the loop ----------------------------------------------------------------------------
-    def run(self, out: Any, resume_from: Path | None) -> dict[str, Any]:
+    def run(
+        self, out: Any, resume_from: Path | None, guard: StopGuard | None = None
+    ) -> dict[str, Any]:
+        """The step loop; on SIGTERM/SIGINT (``guard``) it stops after the current step with a
+        checkpoint and raises :class:`~gyre.resilience.Preempted`, as the local loop does."""
         cfg = self.cfg
         self.workers = [self._new_worker(i) for i in range(cfg.ray.rollout_workers)]
         self.idle = set(range(len(self.workers)))
@@ -523,11 +528,14 @@ class RayRun:
             # no samples here: the driver holds no tokenizer.
             out.trajectories(step, trajs, trained_version=step - 1)
             out.log(step, m)
+            saved = None
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 try:
-                    self._checkpoint(step)
+                    saved = self._checkpoint(step)
                 except TrainerGroupFailed as exc:
                     self._restart_trainers(exc, out)
+                    continue
+            preempt_if_requested(guard, "grpo", step, saved, lambda s=step: self._checkpoint(s))
         for ref in list(self.pending):  # shares generated ahead of the last step: not trained
             ray.cancel(ref)
         self.pending.clear()
@@ -546,11 +554,29 @@ class RayRun:
         remove_placement_group(self.pg)
 
 
+def off_policy_default(cfg: Config) -> bool:
+    """Switch on the off-policy correction for runs that train stale trajectories.
+
+    With ``ray.mode`` one-step-off or async and ``ray.max_staleness >= 1`` a batch holds samples
+    of older policy versions, so unless the config names ``train.algo.rollout_is`` itself, it
+    becomes ``truncate`` (TIS: each token's loss times min(pi_old_train / pi_rollout, C); with
+    recomputed or current old log-probs that ratio carries the versions of drift). Returns True
+    when it changed the config. Sync runs (and max_staleness 0) are left as they are.
+    """
+    algo = cfg.train.algo
+    stale = cfg.ray.mode != "sync" and cfg.ray.max_staleness >= 1
+    if not stale or "rollout_is" in algo.model_fields_set or algo.rollout_is != "none":
+        return False
+    algo.rollout_is = "truncate"
+    return True
+
+
 def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """The Ray runner's ``train``: same config, same outputs as :func:`gyre.loop.train`."""
     from gyre.checkpoint import find_resume
 
     t_start = time.perf_counter()
+    corrected = off_policy_default(cfg)  # before setup, so config.yaml shows it
     run_dir, device = setup(cfg, fresh_check=True)
     cfg.run.dir = str(run_dir.resolve())  # actors on other nodes need an absolute path
     resume_from = find_resume(run_dir, cfg.run.resume)
@@ -562,10 +588,16 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)  # the driver only schedules and computes advantages
     owned = connect(cfg)
     out = build_telemetry(cfg, run_dir, None, extra=sink)  # the driver decodes no samples
+    if corrected:
+        out.message(
+            f"ray.mode={cfg.ray.mode} trains samples up to {cfg.ray.max_staleness} versions "
+            "old: train.algo.rollout_is=truncate (off-policy correction; set it to keep another)"
+        )
     run = None
     try:
-        run = RayRun(cfg, run_dir, start, start)
-        res = run.run(out, resume_from)
+        with StopGuard() as guard:  # after ray.init, so this handler is the one that runs
+            run = RayRun(cfg, run_dir, start, start)
+            res = run.run(out, resume_from, guard)
         counters = dict(run.counters)
     finally:
         out.close()
