@@ -142,7 +142,8 @@ def on_ray(cfg_overrides: list[str], steps: int, root: Path) -> list[dict[str, f
     cfg = load_config(
         None,
         [*cfg_overrides, f"run.dir={d}", f"train.steps={steps}", "runner=ray", "ray.mode=sync",
-         "eval.episodes=0", f"ray.temp_dir={root / 'r'}", "ray.num_cpus=2"],
+         "eval.episodes=0", f"ray.temp_dir={root / 'r'}", "ray.num_cpus=2",
+         "ray.rollout_workers=1"],
     )  # fmt: skip
     loop.train(cfg)
     return [

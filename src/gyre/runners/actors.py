@@ -199,6 +199,10 @@ class TrainerRank:
                 torch.cuda.set_device(self.device)
             self.model = shard_fsdp2(self.model)
             self.comm = FSDPCollective()
+            if self.cfg.train.algo.skip_zero_advantage:
+                # every FSDP2 rank must run the same backward passes (each is a collective)
+                self.cfg = self.cfg.model_copy(deep=True)
+                self.cfg.train.algo.skip_zero_advantage = False
         else:
             self.comm = TorchCollective()
             self.comm.broadcast_parameters(self.model)
