@@ -49,6 +49,8 @@ PHASES = (
     "time/gen_actor_s",
     "time/train_s",
     "time/trainer_update_s",
+    "time/gen_actor_cpu_s",
+    "time/trainer_update_cpu_s",
     "time/sync_s",
     "time/train_call_overhead_s",
 )

@@ -93,7 +93,7 @@ class RolloutWorker:
     ) -> dict[str, Any]:
         """Play ``group_size`` episodes of each task of ``share``, first loading ``weights`` of
         ``version`` if the engine is older: the weight sync rides on the rollout call."""
-        t_call = time.perf_counter()
+        t_call, cpu_call = time.perf_counter(), time.process_time()
         load_s = self._catch_up(weights, version)
         cfg = self.cfg
         seeds = [
@@ -124,6 +124,9 @@ class RolloutWorker:
             "version": self.engine.version,
             "load_s": load_s,
             "wall_s": time.perf_counter() - t_call,
+            # CPU seconds of this process: ~wall_s when it had its core, less when it waited
+            # for one, more if it ran several threads
+            "cpu_s": time.process_time() - cpu_call,
         }
 
     def evaluate(self, weights: list[Any] | None = None, version: int = -1) -> dict[str, float]:
@@ -217,7 +220,7 @@ class TrainerRank:
     def update(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
         """Phases 3-4 on this rank's shard of whole groups (advantages need whole groups)."""
         assert self.optimizer is not None, "init_group first"
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         m = update_phase(
             self.cfg,
             step,
@@ -229,6 +232,7 @@ class TrainerRank:
             comm=self.comm,
         )
         m["time/trainer_update_s"] = time.perf_counter() - t0
+        m["time/trainer_update_cpu_s"] = time.process_time() - cpu0
         return m
 
     def update_and_gather(

@@ -55,6 +55,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 _DIED = (RayActorError, ray.exceptions.ActorUnavailableError)
+_ACC = ("tokens", "gen_s", "gen_actor_s", "gen_actor_cpu_s", "load_s")  # per-step sums
 
 
 class TrainerGroupFailed(RuntimeError):
@@ -396,6 +397,7 @@ class RayRun:
             acc["tokens"] += res["tokens"]
             acc["gen_s"] += res["seconds"]
             acc["gen_actor_s"] += res["wall_s"]
+            acc["gen_actor_cpu_s"] += res["cpu_s"]
             acc["load_s"] += res["load_s"]
 
     def _train(self, step: int, groups: list[Group]) -> dict[str, float]:
@@ -460,7 +462,7 @@ class RayRun:
         if "before" not in self.evals:
             self.evals["before"] = self._evaluate(out) if cfg.eval.episodes else {}
             out.log(self.step, dict(self.evals["before"]))
-        acc = dict.fromkeys(("tokens", "gen_s", "gen_actor_s", "load_s"), 0.0)
+        acc = dict.fromkeys(_ACC, 0.0)
         t_last = time.perf_counter()
         wait_s = 0.0
         dropped_since = 0
@@ -486,7 +488,7 @@ class RayRun:
                 self.step = step
             except TrainerGroupFailed as exc:
                 self._restart_trainers(exc, out)  # back to the latest checkpoint's step
-                acc = dict.fromkeys(("tokens", "gen_s", "gen_actor_s", "load_s"), 0.0)
+                acc = dict.fromkeys(_ACC, 0.0)
                 continue
             trajs = [t for g in batch for t in g.trajs]
             staleness = np.array([step - 1 - t.policy_version for t in trajs], dtype=float)
@@ -506,6 +508,7 @@ class RayRun:
                     "time/step_s": now - t_last,
                     # what the actors spent inside their calls, and what the calls cost beyond
                     "time/gen_actor_s": acc["gen_actor_s"],
+                    "time/gen_actor_cpu_s": acc["gen_actor_cpu_s"],
                     "time/sync_load_s": acc["load_s"],
                     "time/sync_s": m.get("time/sync_gather_s", 0.0) + acc["load_s"],
                     "time/train_call_overhead_s": m["time/train_s"]
@@ -519,7 +522,7 @@ class RayRun:
                     "policy_version": float(self.version),
                 }
             )
-            acc = dict.fromkeys(("tokens", "gen_s", "gen_actor_s", "load_s"), 0.0)
+            acc = dict.fromkeys(_ACC, 0.0)
             wait_s, dropped_since, t_last = 0.0, 0, now
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 with timed(m, "time/eval_s"):
