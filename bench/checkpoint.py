@@ -43,9 +43,16 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gyre-bench-ckpt-"))
     run = work / "run"
-    base = [f"run.dir={run}", f"sft.steps={a.sft_steps}", "eval.episodes=0",
-            "checkpoint.every=1", "checkpoint.keep=2", "log.console=off",
-            f"run.threads={a.threads}", *a.overrides]
+    base = [
+        f"run.dir={run}",
+        f"sft.steps={a.sft_steps}",
+        "eval.episodes=0",
+        "checkpoint.every=1",
+        "checkpoint.keep=2",
+        "log.console=off",
+        f"run.threads={a.threads}",
+        *a.overrides,
+    ]
     subprocess.run(_gyre([*base, f"train.steps={a.steps}"]), check=True)
     summary = json.loads((run / "summary.json").read_text())
     ck = summary["checkpoints"]
@@ -82,8 +89,10 @@ def main() -> None:
         "resume_overhead_s": round(overhead, 2),
         "threads": a.threads,
     }
-    print(f"checkpoint: {ck['bytes'] / 1e6:.2f} MB, {ck['mean_write_s'] * 1000:.0f} ms per write "
-          f"(mean of {ck['writes']}, fsync included)")
+    print(
+        f"checkpoint: {ck['bytes'] / 1e6:.2f} MB, {ck['mean_write_s'] * 1000:.0f} ms per write "
+        f"(mean of {ck['writes']}, fsync included)"
+    )
     print(f"GRPO step: {step_s:.2f} s -> checkpoint share at checkpoint.every=20: {share:.3%}")
     print(f"resume -> first new step: {first:.1f} s (that step's own compute {new_step_s:.1f} s)")
     print(f"resume overhead without a step (relaunch of the finished run): {overhead:.1f} s")
@@ -94,8 +103,11 @@ def _relaunch_finished(base: list[str], steps: int) -> float:
     """Wall time of ``run.resume=auto`` on a finished run: process start, imports, hash
     verification, model/optimizer/RNG load, writing final/ -- everything but a training step."""
     t0 = time.perf_counter()
-    subprocess.run(_gyre([*base, f"train.steps={steps}", "run.resume=auto"]), check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        _gyre([*base, f"train.steps={steps}", "run.resume=auto"]),
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return time.perf_counter() - t0
 
 

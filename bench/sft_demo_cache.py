@@ -1,6 +1,6 @@
 """Time generating the default SFT demonstrations vs loading them from the resume cache.
 
-    python bench/sft_demo_cache.py
+python bench/sft_demo_cache.py
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def main() -> None:
     t1 = time.perf_counter()
     cached(path, {"k": 1}, build)
     t2 = time.perf_counter()
-    print(f"{cfg.sft.demos} demos: generate+save {t1 - t0:.1f} s, load {t2 - t1:.2f} s, "
-          f"{path.stat().st_size / 1e6:.1f} MB")
+    print(
+        f"{cfg.sft.demos} demos: generate+save {t1 - t0:.1f} s, load {t2 - t1:.2f} s, "
+        f"{path.stat().st_size / 1e6:.1f} MB"
+    )
 
 
 if __name__ == "__main__":

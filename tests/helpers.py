@@ -123,3 +123,44 @@ def dp_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> N
         if rank == 0:
             torch.save(model.state_dict(), f"{out_dir}/dp-{agg}.pt")
     dist.destroy_process_group()
+
+
+def fsdp2_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> None:
+    """One gloo rank of tests/unit/test_fsdp2_cpu.py: gyre's FSDP2 path (``shard_fsdp2`` +
+    ``FSDPCollective``) on this rank's half of ``dp_batch``, two SGD steps for each loss
+    aggregation; rank 0 saves the gathered full weights and the global losses."""
+    import torch.distributed as dist
+
+    from gyre.algos import LOSS_AGGREGATIONS
+    from gyre.distributed import FSDPCollective, shard_fsdp2
+    from gyre.model import load_pretrained
+    from gyre.policy import collate
+    from gyre.update import GRPOSettings, policy_update
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    out = {}
+    for agg in LOSS_AGGREGATIONS:
+        model, _ = load_pretrained(model_dir, torch.device("cpu"))
+        trajs, adv = dp_batch(model)
+        rows = len(trajs) // world
+        sl = slice(rank * rows, (rank + 1) * rows)
+        model = shard_fsdp2(model)
+        comm = FSDPCollective()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        settings = GRPOSettings(micro_batch_size=2, loss_agg=agg, max_grad_norm=1e9)
+        losses = []
+        for _ in range(2):
+            batch = collate(trajs[sl], 0, torch.device("cpu"))
+            m = policy_update(model, opt, batch, adv[sl], settings,
+                              reduce_counts=comm.reduce_counts,
+                              sync_grads=comm.sync_gradients)  # fmt: skip
+            # each rank's loss is W x its share of the global objective (FSDP2 averages)
+            losses.append(float(comm.all_reduce_sum(torch.tensor(m["train/loss"]))))
+        state = comm.full_state_dict(model)
+        if rank == 0:
+            out[agg] = {"state": state, "losses": losses}
+    if rank == 0:
+        torch.save(out, f"{out_dir}/fsdp2.pt")
+    dist.destroy_process_group()

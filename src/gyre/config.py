@@ -173,6 +173,11 @@ class AlgoConfig(_Section):
         description="Old policy of the ratio: auto = trainer recompute when >1 update per batch, "
         "else current detached; rollout = engine log-probs.",
     )
+    skip_zero_advantage: bool = Field(
+        False,
+        description="Leave rows whose advantage is 0 everywhere out of the update's forward/"
+        "backward (their gradient is exactly 0; loss weights keep the whole step's counts).",
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount (reinforce_pp, gae).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     value_model: Literal["critic", "head"] = Field(

@@ -11,11 +11,13 @@ all-reduce DDP performs, done once after the micro-batch loop (bucketed into one
 it keeps ranks with unequal micro-batch counts from deadlocking. Parameters start equal on every
 rank (:meth:`TorchCollective.broadcast_parameters`, as DDP does at construction).
 
-On GPU, ``strategy: fsdp2`` shards parameters with ``torch.distributed.fsdp.fully_shard``;
-FSDP2 reduce-scatters gradients *averaged* over ranks inside backward, so
-:class:`FSDPCollective` rescales the loss weights by the world size instead of summing
-afterwards. That path needs one GPU per rank and nccl; it is written but has not run on a GPU in
-this repository's tests (no GPU was lent), see docs/cluster.md.
+``strategy: fsdp2`` shards parameters with ``torch.distributed.fsdp.fully_shard``; FSDP2
+reduce-scatters gradients *averaged* over ranks inside backward, so :class:`FSDPCollective`
+rescales the loss weights by the world size instead of summing afterwards. Every rank must then
+run the same number of backward passes (each one is a collective); equal shards give that. The
+path is the GPU default (nccl) and also runs on CPU over gloo (torch 2.13):
+``tests/unit/test_fsdp2_cpu.py`` checks two CPU ranks against one process. It has not run on a
+GPU in this repository's tests (no GPU was lent), see docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -73,20 +75,27 @@ class TorchCollective:
 
 
 class FSDPCollective(TorchCollective):
-    """FSDP2 (GPU, nccl): backward reduce-scatters averaged gradients, so weights scale by W.
+    """FSDP2: backward reduce-scatters averaged gradients, so the loss weights scale by W.
 
-    UNTESTED here: no GPU was lent to the session that wrote it.
+    Collectives run on the process group's device: the current GPU under nccl, the CPU under
+    gloo (tested on CPU; not yet run on a GPU here).
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        self.device = self.device or torch.device("cpu")
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        out = value.detach().clone().float().to(torch.cuda.current_device())
+        out = value.detach().clone().float().to(self.device)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         # Dividing the loss weights by (global count / W) makes the averaged gradient the sum.
         return (out / self.world_size).cpu()
 
     def reduce_counts(self, counts: StepCounts) -> StepCounts:
         sums = self.all_reduce_sum(torch.tensor([counts.tokens, counts.rows]))
-        longest = torch.tensor([counts.norm_len], device=torch.cuda.current_device())
+        longest = torch.tensor([counts.norm_len], dtype=torch.float32, device=self.device)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         return StepCounts(float(sums[0]), float(sums[1]), float(longest[0]))
 

@@ -107,8 +107,18 @@ def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) ->
     return Packed(ids, pos, torch.tensor(row, device=dev), torch.tensor(offset, device=dev))
 
 
+def _fsdp_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def _head_and_body(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """(decoder, lm_head) when logits are exactly ``lm_head(decoder(...))``, else None."""
+    if _fsdp_sharded(model):
+        return None  # FSDP2 gathers the root's weights in the root's forward: call that one
     get_dec = getattr(model, "get_decoder", None)
     get_head = getattr(model, "get_output_embeddings", None)
     if get_dec is None or get_head is None:

@@ -16,10 +16,20 @@ drift, not the sampler-trainer numerical gap (that gap is corrected separately, 
 batch: the old policy *is* the current one, so old = current log-probs, detached, in the same
 forward. ``rollout`` uses the engine's log-probs as old (the behaviour before this module).
 ``auto`` (the loop's default) picks ``current`` for one step per batch, else ``recompute``.
+
+Zero-advantage rows (``skip_zero_advantage``): a row whose advantage is 0 at every token (a
+GRPO group whose rewards are all equal) contributes exactly 0 to every policy loss here (each is
+linear in A) and so nothing to the gradient, as long as no term without A is in the loss (KL in
+the loss, an entropy bonus, a value loss). With the setting on, such rows are left out of the
+forward, the backward and the old-logprob recompute, while the loss weights keep the counts of
+the *whole* optimizer step; so the gradient is the same (up to float summation order) and the
+trainer does only the work that moves the weights. An optimizer step whose rows are all skipped
+still steps AdamW with a zero gradient, as it would without skipping (its moments decay).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +78,7 @@ class GRPOSettings:
     mini_batch_size: int = 0  # rows per optimizer step; 0: split into ``mini_batches``
     loss_norm_len: float = 0.0  # L of seq-mean-token-sum-norm; 0: the step's longest row
     old_logprobs: str = "rollout"
+    skip_zero_advantage: bool = False
     rollout_is: str = "none"  # none | truncate | mask
     rollout_is_level: str = "token"
     rollout_is_threshold: float = 2.0
@@ -97,6 +108,22 @@ class GRPOSettings:
             )
         return self.old_logprobs
 
+    def can_skip_rows(self, kl_in_loss: bool, value_model: object | None) -> bool:
+        """Zero-advantage rows may be skipped: on, and no loss term that does not scale with A."""
+        return (
+            self.skip_zero_advantage
+            and not kl_in_loss
+            and self.entropy_coef == 0
+            and value_model is None
+        )
+
+
+def _nonzero_rows(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: rows with a nonzero advantage on some policy token."""
+    if advantages.dim() == 1:
+        return advantages != 0
+    return ((advantages * loss_mask) != 0).any(dim=1)
+
 
 def _micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
@@ -114,18 +141,38 @@ def prepare_batch(
     settings: GRPOSettings,
     ref_model: torch.nn.Module | None = None,
     value_model: ValueModel | None = None,
+    rows: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Fill ``batch.extras`` with what must be scored before the weights change.
 
     ``old_logprobs`` when the resolved mode is ``recompute`` or KL goes into the reward (the
     reward's KL is the old policy's); ``ref_logprobs`` for KL in the reward; ``values`` for GAE.
     Returns metrics (the train-vs-rollout log-prob gap).
+
+    With ``skip_zero_advantage`` and only old log-probs to compute, nothing is done here: the
+    advantages are not known yet, so :func:`policy_update` computes them later (same weights)
+    for the rows it trains, passing ``rows`` (a (B,) bool mask); other rows keep the engine's.
     """
     mode = settings.resolve_old_logprobs(batch.input_ids.shape[0])
     need_ref = ref_model is not None and settings.kl_coef > 0 and settings.kl_in == "reward"
     need_old = mode == "recompute" or (need_ref and mode == "current")
     if not need_old and not need_ref and value_model is None:
         return {}
+    if settings.skip_zero_advantage and not need_ref and value_model is None and rows is None:
+        return {}  # deferred to policy_update, which knows which rows train
+    if rows is not None:
+        if need_ref or value_model is not None:
+            raise ValueError("prepare_batch(rows=...) computes old log-probs only")
+        idx = rows.nonzero().flatten()
+        sub = batch.rows(idx)
+        whole = dataclasses.replace(settings, skip_zero_advantage=False)
+        out = prepare_batch(model, sub, whole) if len(idx) else {}
+        old = batch.rollout_logprobs.detach().clone()
+        if len(idx):
+            width = sub.extras["old_logprobs"].shape[1]
+            old[idx, :width] = sub.extras["old_logprobs"]
+        batch.extras["old_logprobs"] = old * batch.loss_mask
+        return out
     was_training = model.training
     model.eval()
     parts: dict[str, list[torch.Tensor]] = {"old_logprobs": [], "ref_logprobs": [], "values": []}
@@ -245,11 +292,13 @@ def policy_update(
     params = settings.loss_params()
     B = batch.input_ids.shape[0]
     old_mode = settings.resolve_old_logprobs(B)
+    kl_in_loss = ref_model is not None and settings.kl_coef > 0 and settings.kl_in == "loss"
+    skip = settings.can_skip_rows(kl_in_loss, value_model)
+    trains = _nonzero_rows(advantages, batch.loss_mask) if skip else None
     if old_mode == "recompute" and "old_logprobs" not in batch.extras:
-        prepare_batch(model, batch, settings, value_model=None)
+        prepare_batch(model, batch, settings, value_model=None, rows=trains)
     if advantages.dim() == 2:
         batch.extras["advantages"] = advantages
-    kl_in_loss = ref_model is not None and settings.kl_coef > 0 and settings.kl_in == "loss"
     if value_model is not None and "returns" not in batch.extras:
         raise ValueError("a value model needs value targets: call batch_advantages with 'gae'")
     model.train()
@@ -262,12 +311,13 @@ def policy_update(
     extra_sums: dict[str, float] = {}
     grad_norms = []
     total_tokens = 0
+    scored_tokens = 0  # tokens of the rows actually run (all of them unless rows are skipped)
+    skipped_rows = 0
     objective = 0.0  # the aggregated loss that was minimised, summed over optimizer steps
     skipped = 0  # optimizer steps dropped for a non-finite loss or gradient
     for mini_idx in minis:
         objective_before = objective
         mini = batch.rows(mini_idx)
-        adv_mini = advantages[mini_idx] if advantages.dim() == 1 else None
         step_tokens = max(mini.num_tokens, 1)  # loss tokens of this optimizer step (for metrics)
         total_tokens += step_tokens
         optimizer.zero_grad(set_to_none=True)
@@ -277,7 +327,16 @@ def policy_update(
         counts = StepCounts.of(mini.loss_mask, settings.loss_norm_len)
         if reduce_counts is not None:
             counts = reduce_counts(counts)
-        for sl in _micro_slices(mini.input_ids.shape[0], settings.micro_batch_size):
+        n_rows = len(mini_idx)
+        if trains is not None:  # leave out rows that cannot move the weights (counts kept)
+            mini_idx = mini_idx[trains[mini_idx]]
+            skipped_rows += n_rows - len(mini_idx)
+            n_rows = len(mini_idx)
+            if n_rows:
+                mini = batch.rows(mini_idx)
+        scored_tokens += mini.num_tokens if n_rows else 0
+        adv_mini = advantages[mini_idx] if advantages.dim() == 1 else None
+        for sl in _micro_slices(n_rows, settings.micro_batch_size):
             mb = mini.rows(sl)
             w = agg_weights(mb.loss_mask, settings.loss_agg, counts)  # (b, T)
             adv = adv_mini[sl].unsqueeze(-1) if adv_mini is not None else mb.extras["advantages"]
@@ -351,6 +410,10 @@ def policy_update(
                     "rollout_logprob_gap",
                     masked_token_sum((old - mb.rollout_logprobs).abs(), mb.loss_mask),
                 )
+        if n_rows == 0:  # every row skipped: the zero gradient AdamW would have seen
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         if sync_grads is not None:
             sync_grads(model)
         gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
@@ -363,8 +426,10 @@ def policy_update(
             vgn = float(torch.nn.utils.clip_grad_norm_(own, settings.max_grad_norm))
             finite_step(value_model.optimizer, vgn, 0.0)
     model.eval()
-    out = {f"train/{k}": v / max(total_tokens, 1) for k, v in sums.items()}
-    out.update({f"train/{k}": v / max(total_tokens, 1) for k, v in extra_sums.items()})
+    out = {f"train/{k}": v / max(scored_tokens, 1) for k, v in sums.items()}
+    out.update({f"train/{k}": v / max(scored_tokens, 1) for k, v in extra_sums.items()})
+    if trains is not None:
+        out["train/skipped_rows"] = float(skipped_rows)
     out["train/loss"] = objective / len(minis)
     out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     out["train/nonfinite_skipped"] = float(skipped)
@@ -412,6 +477,7 @@ def settings_from_config(train: TrainConfig) -> GRPOSettings:
         mini_batch_size=a.mini_batch_size,
         loss_norm_len=float(a.loss_norm_len),
         old_logprobs=a.old_logprobs,
+        skip_zero_advantage=a.skip_zero_advantage,
         rollout_is=a.rollout_is,
         rollout_is_level=a.rollout_is_level,
         rollout_is_threshold=a.rollout_is_threshold,

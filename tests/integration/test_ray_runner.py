@@ -158,6 +158,9 @@ def test_async_max_staleness_1_trains_and_drops_nothing(ray_cluster, warm_model,
     assert any(r["train/grad_norm"] > 0 for r in steps)
     assert sorted(_trained_ids(d)) == sorted(_expected_ids(STEPS))
     assert s["recovery/rollout_restarts"] == 0
+    # stale samples: the off-policy correction (truncated rollout IS) is on by default
+    assert all(0 < r["train/is_weight"] <= 2.0 for r in steps)
+    assert "rollout_is: truncate" in (d / "config.yaml").read_text()
 
 
 class _KillAt:

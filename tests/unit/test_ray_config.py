@@ -67,3 +67,22 @@ def test_runner_ray_without_ray_names_the_extra(monkeypatch, tmp_path):
     cfg = load_config(None, ["runner=ray", f"run.dir={tmp_path}", "sft.steps=0"])
     with pytest.raises(ImportError, match=r"pip install 'gyre\[ray\]'"):
         loop.train(cfg)
+
+
+def test_async_runs_get_the_off_policy_correction_by_default():
+    from gyre.config import load_config
+    from gyre.runners.ray_runner import off_policy_default
+
+    base = ["runner=ray"]
+    for mode, extra, want in (
+        ("async", [], "truncate"),
+        ("one-step-off", [], "truncate"),
+        ("async", ["ray.max_staleness=0"], "none"),  # nothing can be stale
+        ("sync", [], "none"),
+        ("async", ["train.algo.rollout_is=none"], "none"),  # the config's own choice stays
+        ("one-step-off", ["train.algo.rollout_is=mask"], "mask"),
+    ):
+        cfg = load_config(None, [*base, f"ray.mode={mode}", *extra])
+        changed = off_policy_default(cfg)
+        assert cfg.train.algo.rollout_is == want, (mode, extra)
+        assert changed == (want == "truncate")

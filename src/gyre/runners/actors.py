@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gyre.checkpoint import load_checkpoint_state, save_checkpoint
+from gyre.checkpoint import load_checkpoint_state
 from gyre.config import Config
 from gyre.distributed import (
     FSDPCollective,
@@ -31,6 +31,7 @@ from gyre.envs import env_factory
 from gyre.evaluate import train_seed
 from gyre.loop import STREAM_GRPO, _sampling, run_eval, update_phase
 from gyre.model import load_pretrained
+from gyre.resilience import Checkpointer
 from gyre.rollout import RolloutStats, run_episodes
 from gyre.runners.scheduler import Share
 from gyre.types import Trajectory
@@ -65,14 +66,35 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def threads(self) -> int:
+        """torch intra-op threads of this actor (``run.threads`` / the role's CPUs)."""
+        return torch.get_num_threads()
+
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Weight sync from the trainer; returns the seconds the copy took."""
         t0 = time.perf_counter()
         self.engine.load_weights(state, version)
         return time.perf_counter() - t0
 
-    def rollout(self, share: Share) -> dict[str, Any]:
-        """Play ``group_size`` episodes of each task of ``share`` with the current weights."""
+    def _catch_up(self, weights: list[Any] | None, version: int) -> float:
+        """Load ``weights[0]`` (an object-store reference, boxed in a list so Ray does not fetch
+        it for every call) when it is newer than the engine's; returns the seconds spent."""
+        if not weights or version <= self.engine.version:
+            return 0.0
+        import ray
+
+        t0 = time.perf_counter()
+        state = weights[0] if isinstance(weights[0], dict) else ray.get(weights[0])
+        self.engine.load_weights(state, version)
+        return time.perf_counter() - t0
+
+    def rollout(
+        self, share: Share, weights: list[Any] | None = None, version: int = -1
+    ) -> dict[str, Any]:
+        """Play ``group_size`` episodes of each task of ``share``, first loading ``weights`` of
+        ``version`` if the engine is older: the weight sync rides on the rollout call."""
+        t_call, cpu_call = time.perf_counter(), time.process_time()
+        load_s = self._catch_up(weights, version)
         cfg = self.cfg
         seeds = [
             train_seed(cfg.run.seed, STREAM_GRPO, share.first_task + k)
@@ -100,9 +122,15 @@ class RolloutWorker:
             "seconds": stats.seconds,
             "worker": self.index,
             "version": self.engine.version,
+            "load_s": load_s,
+            "wall_s": time.perf_counter() - t_call,
+            # CPU seconds of this process: ~wall_s when it had its core, less when it waited
+            # for one, more if it ran several threads
+            "cpu_s": time.process_time() - cpu_call,
         }
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, weights: list[Any] | None = None, version: int = -1) -> dict[str, float]:
+        self._catch_up(weights, version)
         return run_eval(self.cfg, self.engine, self.tokenizer)
 
     def release_memory(self) -> None:
@@ -142,6 +170,9 @@ class TrainerRank:
         self.resume_checkpoint = resume_checkpoint
         self.comm: TorchCollective | None = None
 
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: an address and free port for the process group."""
         try:
@@ -167,9 +198,14 @@ class TrainerRank:
             timeout=timedelta(minutes=10),
         )
         if self.strategy == "fsdp2":
-            torch.cuda.set_device(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             self.model = shard_fsdp2(self.model)
             self.comm = FSDPCollective()
+            if self.cfg.train.algo.skip_zero_advantage:
+                # every FSDP2 rank must run the same backward passes (each is a collective)
+                self.cfg = self.cfg.model_copy(deep=True)
+                self.cfg.train.algo.skip_zero_advantage = False
         else:
             self.comm = TorchCollective()
             self.comm.broadcast_parameters(self.model)
@@ -184,7 +220,8 @@ class TrainerRank:
     def update(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
         """Phases 3-4 on this rank's shard of whole groups (advantages need whole groups)."""
         assert self.optimizer is not None, "init_group first"
-        return update_phase(
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        m = update_phase(
             self.cfg,
             step,
             self.model,
@@ -194,6 +231,22 @@ class TrainerRank:
             self.ref_model,
             comm=self.comm,
         )
+        m["time/trainer_update_s"] = time.perf_counter() - t0
+        m["time/trainer_update_cpu_s"] = time.process_time() - cpu0
+        return m
+
+    def update_and_gather(
+        self, step: int, trajs: list[Trajectory]
+    ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """``update`` then ``get_weights`` in one call (called with ``num_returns=2``): the
+        weights go from this actor into the object store and on to the engines without a second
+        round trip and without passing through the driver."""
+        m = self.update(step, trajs)
+        t0 = time.perf_counter()
+        state, nbytes = self.get_weights()
+        m["time/sync_gather_s"] = time.perf_counter() - t0
+        m["sync/bytes"] = float(nbytes)
+        return m, state
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """(full CPU state dict, its bytes); under FSDP2 every rank must call it (a gather)."""
@@ -201,12 +254,16 @@ class TrainerRank:
         state = self.comm.full_state_dict(self.model)
         return state, state_bytes(state)
 
-    def save(self, step: int, state: dict[str, Any], keep: int) -> str:
+    def save(self, step: int, state: dict[str, Any], keep: int) -> str | None:
+        """A GRPO checkpoint through the local loop's :class:`~gyre.resilience.Checkpointer`
+        (same layout, config hash, metrics offset, retention ``checkpoint.keep`` and
+        ``checkpoint.on_error``); None when the write failed and the policy is to continue."""
         assert self.optimizer is not None
-        path = save_checkpoint(
-            Path(self.cfg.run.dir), step, self.model, self.tokenizer, self.optimizer, state, keep
-        )
-        return str(path)
+        run_dir = Path(self.cfg.run.dir)
+        return Checkpointer(self.cfg, run_dir).save(
+            "grpo", step, self.model, self.tokenizer, self.optimizer, state,
+            run_dir / "metrics.jsonl",
+        )  # fmt: skip
 
     def save_final(self, out_dir: str) -> None:
         import shutil

@@ -42,6 +42,7 @@ import torch
 from gyre.checkpoint import list_checkpoints
 from gyre.config import Config, tasks_per_share
 from gyre.loop import base_model_path, rollout_metrics, rollout_seed, run_sft, setup
+from gyre.resilience import StopGuard, preempt_if_requested
 from gyre.runners import require_ray
 from gyre.runners.actors import RolloutWorker, TrainerRank
 from gyre.runners.scheduler import Group, ShareScheduler
@@ -54,6 +55,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 _DIED = (RayActorError, ray.exceptions.ActorUnavailableError)
+_ACC = ("tokens", "gen_s", "gen_actor_s", "gen_actor_cpu_s", "load_s")  # per-step sums
 
 
 class TrainerGroupFailed(RuntimeError):
@@ -119,6 +121,14 @@ def placement_bundles(cfg: Config) -> tuple[list[dict[str, float]], list[int], l
     return bundles, list(range(N)), [N + j for j in range(M)]
 
 
+def _gathers_on_every_rank(cfg: Config) -> bool:
+    """FSDP2's full-state-dict gather is a collective: every rank must take part."""
+    strategy = cfg.ray.strategy
+    if strategy == "auto":
+        strategy = "fsdp2" if cfg.ray.trainer.num_gpus > 0 else "ddp"
+    return strategy == "fsdp2"
+
+
 def _combine(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Rank metrics -> step metrics: per-token means weighted by tokens, the loss summed (each
     rank holds its share of the global objective), the grad norm of the synced gradients."""
@@ -128,12 +138,14 @@ def _combine(per_rank: list[dict[str, float]]) -> dict[str, float]:
     total = max(sum(tokens), 1.0)
     out = {}
     for k in per_rank[0]:
-        if k == "train/loss":
-            out[k] = sum(m[k] for m in per_rank)
+        if k in ("train/loss", "train/skipped_rows"):
+            out[k] = sum(m.get(k, 0.0) for m in per_rank)
         elif k == "train/tokens":
             out[k] = sum(tokens)
-        elif k in ("train/grad_norm", "train/optimizer_steps"):  # equal on every rank
-            out[k] = per_rank[0][k]
+        elif k.startswith("sync/") or k in ("train/grad_norm", "train/optimizer_steps"):
+            out[k] = per_rank[0][k]  # equal on every rank, or rank 0's (the weights it sends)
+        elif k.startswith("time/"):
+            out[k] = max(m.get(k, 0.0) for m in per_rank)  # the slowest rank sets the pace
         else:
             out[k] = sum(m[k] * n for m, n in zip(per_rank, tokens, strict=True)) / total
     return out
@@ -297,11 +309,33 @@ class RayRun:
         self.restore(ckpt)
         self._sync_weights({}, out, wait=True)
 
+    def _check_threads(self, out: MetricsSink) -> None:
+        """Each actor must run the torch threads it was given (``run.threads`` or its CPUs): more
+        would oversubscribe the cores that overlapping rollout and training rely on."""
+        want = {
+            "rollout": self.cfg.run.threads or max(1, int(self.cfg.ray.rollout.num_cpus)),
+            "trainer": self.cfg.run.threads or max(1, int(self.cfg.ray.trainer.num_cpus)),
+        }
+        got = {
+            "rollout": ray.get([w.threads.remote() for w in self.workers]),
+            "trainer": _trainer_get([t.threads.remote() for t in self.trainers]),
+        }
+        for role, threads in got.items():
+            if any(n != want[role] for n in threads):
+                raise RuntimeError(f"{role} actors run {threads} torch threads, not {want[role]}")
+        out.message(f"actor torch threads: {got}")
+
+    def _boxed(self) -> list[Any]:
+        """The current weights for a rollout/evaluate call: boxed, so Ray passes the reference
+        and the worker fetches it only when its engine is older than ``self.version``."""
+        return [self.weights_ref] if self.weights_ref is not None else []
+
     # -- phases -----------------------------------------------------------------------------
     def _sync_weights(self, m: dict[str, float], out: MetricsSink, wait: bool) -> None:
-        """Phase 5: rank 0's full weights -> object store -> every worker, stamped."""
+        """Rank 0's full weights -> object store -> every worker, stamped (start-up and after
+        a trainer restart; in the step loop the weights ride on the update and rollout calls)."""
         with timed(m, "time/sync_s"):
-            if self.cfg.ray.trainer.num_gpus > 0 and self.cfg.ray.strategy != "ddp":
+            if _gathers_on_every_rank(self.cfg):
                 refs = [t.get_weights.options(num_returns=2).remote() for t in self.trainers]
                 _trainer_get([b for _, b in refs])  # FSDP2: every rank takes part in the gather
                 weights, nbytes = refs[0]
@@ -323,7 +357,7 @@ class RayRun:
         for _ in range(3):
             i = min(self.idle) if self.idle else 0
             try:
-                return ray.get(self.workers[i].evaluate.remote())
+                return ray.get(self.workers[i].evaluate.remote(self._boxed(), self.version))
             except _DIED as exc:
                 self._replace_worker(i, exc, out)
         raise RuntimeError("evaluation failed on three rollout workers in a row")
@@ -335,7 +369,8 @@ class RayRun:
             if s is None:
                 return
             share = self.sched.share_of(s, rollout_seed(self.cfg, self.sched.batch_of(s) + 1))
-            self.pending[self.workers[i].rollout.remote(share)] = (i, s, self.epoch)
+            ref = self.workers[i].rollout.remote(share, self._boxed(), self.version)
+            self.pending[ref] = (i, s, self.epoch)
             self.idle.discard(i)
 
     def _collect(self, out: MetricsSink, acc: dict[str, float]) -> None:
@@ -361,18 +396,31 @@ class RayRun:
             self.sched.finished(s, groups)
             acc["tokens"] += res["tokens"]
             acc["gen_s"] += res["seconds"]
+            acc["gen_actor_s"] += res["wall_s"]
+            acc["gen_actor_cpu_s"] += res["cpu_s"]
+            acc["load_s"] += res["load_s"]
 
     def _train(self, step: int, groups: list[Group]) -> dict[str, float]:
-        """Phases 3-4 on the trainer group: rank r gets the r-th equal slice of whole groups."""
+        """Phases 3-5 on the trainer group: rank r gets the r-th equal slice of whole groups;
+        rank 0 (every rank under FSDP2, whose gather is collective) returns the new weights in
+        the same call, as a second object-store reference that goes to the engines as is."""
         M = self.cfg.ray.trainer_ranks
         per = len(groups) // M
         shards = [[t for g in groups[r * per : (r + 1) * per] for t in g.trajs] for r in range(M)]
         if self.cfg.ray.placement == "colocated":
             ray.get([w.release_memory.remote() for w in self.workers])
-        refs = [
-            t.update.remote(step, shard) for t, shard in zip(self.trainers, shards, strict=True)
-        ]
-        return _combine(_trainer_get(refs))
+        gather_all = _gathers_on_every_rank(self.cfg)
+        metric_refs, weights = [], None
+        for rank, (t, shard) in enumerate(zip(self.trainers, shards, strict=True)):
+            if rank == 0 or gather_all:
+                m_ref, w_ref = t.update_and_gather.options(num_returns=2).remote(step, shard)
+                weights = w_ref if rank == 0 else weights
+            else:
+                m_ref = t.update.remote(step, shard)
+            metric_refs.append(m_ref)
+        m = _combine(_trainer_get(metric_refs))
+        self.weights_ref = weights
+        return m
 
     def _log_trajectories(self, step: int, trained: list[Group], dropped: list[Group]) -> None:
         with self.traj_log.open("a") as f:
@@ -389,7 +437,7 @@ class RayRun:
                         }
                         f.write(json.dumps(row) + "\n")
 
-    def _checkpoint(self, step: int) -> None:
+    def _checkpoint(self, step: int) -> str | None:
         state = {
             "cursor": self.sched.finalized,
             "dropped": self.sched.dropped,
@@ -397,19 +445,24 @@ class RayRun:
             "policy_version": self.version,
             "counters": self.counters,
         }
-        _trainer_get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
+        return _trainer_get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
 
     # -- the loop ----------------------------------------------------------------------------
-    def run(self, out: Any, resume_from: Path | None) -> dict[str, Any]:
+    def run(
+        self, out: Any, resume_from: Path | None, guard: StopGuard | None = None
+    ) -> dict[str, Any]:
+        """The step loop; on SIGTERM/SIGINT (``guard``) it stops after the current step with a
+        checkpoint and raises :class:`~gyre.resilience.Preempted`, as the local loop does."""
         cfg = self.cfg
         self.workers = [self._new_worker(i) for i in range(cfg.ray.rollout_workers)]
         self.idle = set(range(len(self.workers)))
         self.restore(resume_from)
+        self._check_threads(out)
         self._sync_weights({}, out, wait=True)
         if "before" not in self.evals:
             self.evals["before"] = self._evaluate(out) if cfg.eval.episodes else {}
             out.log(self.step, dict(self.evals["before"]))
-        acc = {"tokens": 0.0, "gen_s": 0.0}
+        acc = dict.fromkeys(_ACC, 0.0)
         t_last = time.perf_counter()
         wait_s = 0.0
         dropped_since = 0
@@ -430,13 +483,12 @@ class RayRun:
             m: dict[str, float] = {}
             try:
                 with timed(m, "time/train_s"):
-                    m.update(self._train(step, batch))
+                    m.update(self._train(step, batch))  # the new weights come back with it
                 self.version = step
                 self.step = step
-                self._sync_weights(m, out, wait=cfg.ray.mode == "sync")
             except TrainerGroupFailed as exc:
                 self._restart_trainers(exc, out)  # back to the latest checkpoint's step
-                acc = {"tokens": 0.0, "gen_s": 0.0}
+                acc = dict.fromkeys(_ACC, 0.0)
                 continue
             trajs = [t for g in batch for t in g.trajs]
             staleness = np.array([step - 1 - t.policy_version for t in trajs], dtype=float)
@@ -453,6 +505,15 @@ class RayRun:
                     if acc["gen_s"]
                     else 0.0,
                     "perf/samples_per_s": len(trajs) / (now - t_last),
+                    "time/step_s": now - t_last,
+                    # what the actors spent inside their calls, and what the calls cost beyond
+                    "time/gen_actor_s": acc["gen_actor_s"],
+                    "time/gen_actor_cpu_s": acc["gen_actor_cpu_s"],
+                    "time/sync_load_s": acc["load_s"],
+                    "time/sync_s": m.get("time/sync_gather_s", 0.0) + acc["load_s"],
+                    "time/train_call_overhead_s": m["time/train_s"]
+                    - m.get("time/trainer_update_s", 0.0)
+                    - m.get("time/sync_gather_s", 0.0),
                     "async/staleness_mean": float(staleness.mean()),
                     "async/staleness_max": float(staleness.max()),
                     "async/dropped": float(dropped_since * cfg.train.group_size),
@@ -461,7 +522,7 @@ class RayRun:
                     "policy_version": float(self.version),
                 }
             )
-            acc = {"tokens": 0.0, "gen_s": 0.0}
+            acc = dict.fromkeys(_ACC, 0.0)
             wait_s, dropped_since, t_last = 0.0, 0, now
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 with timed(m, "time/eval_s"):
@@ -470,11 +531,14 @@ class RayRun:
             # no samples here: the driver holds no tokenizer.
             out.trajectories(step, trajs, trained_version=step - 1)
             out.log(step, m)
+            saved = None
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 try:
-                    self._checkpoint(step)
+                    saved = self._checkpoint(step)
                 except TrainerGroupFailed as exc:
                     self._restart_trainers(exc, out)
+                    continue
+            preempt_if_requested(guard, "grpo", step, saved, lambda s=step: self._checkpoint(s))
         for ref in list(self.pending):  # shares generated ahead of the last step: not trained
             ray.cancel(ref)
         self.pending.clear()
@@ -493,11 +557,29 @@ class RayRun:
         remove_placement_group(self.pg)
 
 
+def off_policy_default(cfg: Config) -> bool:
+    """Switch on the off-policy correction for runs that train stale trajectories.
+
+    With ``ray.mode`` one-step-off or async and ``ray.max_staleness >= 1`` a batch holds samples
+    of older policy versions, so unless the config names ``train.algo.rollout_is`` itself, it
+    becomes ``truncate`` (TIS: each token's loss times min(pi_old_train / pi_rollout, C); with
+    recomputed or current old log-probs that ratio carries the versions of drift). Returns True
+    when it changed the config. Sync runs (and max_staleness 0) are left as they are.
+    """
+    algo = cfg.train.algo
+    stale = cfg.ray.mode != "sync" and cfg.ray.max_staleness >= 1
+    if not stale or "rollout_is" in algo.model_fields_set or algo.rollout_is != "none":
+        return False
+    algo.rollout_is = "truncate"
+    return True
+
+
 def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """The Ray runner's ``train``: same config, same outputs as :func:`gyre.loop.train`."""
     from gyre.checkpoint import find_resume
 
     t_start = time.perf_counter()
+    corrected = off_policy_default(cfg)  # before setup, so config.yaml shows it
     run_dir, device = setup(cfg, fresh_check=True)
     cfg.run.dir = str(run_dir.resolve())  # actors on other nodes need an absolute path
     resume_from = find_resume(run_dir, cfg.run.resume)
@@ -509,10 +591,16 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)  # the driver only schedules and computes advantages
     owned = connect(cfg)
     out = build_telemetry(cfg, run_dir, None, extra=sink)  # the driver decodes no samples
+    if corrected:
+        out.message(
+            f"ray.mode={cfg.ray.mode} trains samples up to {cfg.ray.max_staleness} versions "
+            "old: train.algo.rollout_is=truncate (off-policy correction; set it to keep another)"
+        )
     run = None
     try:
-        run = RayRun(cfg, run_dir, start, start)
-        res = run.run(out, resume_from)
+        with StopGuard() as guard:  # after ray.init, so this handler is the one that runs
+            run = RayRun(cfg, run_dir, start, start)
+            res = run.run(out, resume_from, guard)
         counters = dict(run.counters)
     finally:
         out.close()

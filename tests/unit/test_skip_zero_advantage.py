@@ -1,0 +1,124 @@
+"""``train.algo.skip_zero_advantage``: rows with zero advantage are left out of the update's
+forward/backward and of the old-logprob recompute, and the update is the same as without it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gyre.algos import LOSS_AGGREGATIONS, POLICY_LOSSES
+from gyre.policy import collate
+from gyre.types import Trajectory
+from gyre.update import GRPOSettings, policy_update, prepare_batch
+
+CPU = torch.device("cpu")
+
+
+def _trajs(pad_id: int, n: int = 12, seed: int = 0) -> list[Trajectory]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(8, 25, (1,), generator=g))
+        ids = [1, *torch.randint(4, 100, (T - 1,), generator=g).tolist()]
+        mask = [0] * 4 + (torch.rand(T - 4, generator=g) < 0.6).long().tolist()
+        mask[-1] = 1
+        lp = (-torch.rand(T, generator=g) * 3).tolist()
+        out.append(Trajectory(ids, mask, lp, 0.0, i // 4, 0, 1, False, i))
+    return out
+
+
+def _update(base, trajs, pad, settings, adv, steps: int = 1):
+    """``steps`` updates of a copy of ``base`` with AdamW (state carried over), one per entry of
+    ``adv``; returns the model and the last metrics."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    m: dict[str, float] = {}
+    for a in adv[:steps]:
+        batch = collate(trajs, pad, CPU)
+        m.update(prepare_batch(model, batch, settings))
+        m.update(policy_update(model, opt, batch, a, settings, None, torch.Generator()))
+    return model, m
+
+
+def _close(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5)
+
+
+def _moved(a: torch.nn.Module, b: torch.nn.Module, tol: float) -> bool:
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return any(float((x - y).abs().max()) > tol for x, y in pairs)
+
+
+@pytest.mark.parametrize("loss", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("loss_agg", LOSS_AGGREGATIONS)
+def test_same_update_with_and_without_skipping(make_tiny_model, tokenizer, loss_agg, loss):
+    """Two mini-batches, recomputed old log-probs and rollout IS: the weights after the update,
+    the loss and the gradient norm match; the zero rows were really skipped."""
+    base = make_tiny_model(seed=0, sharp=True)
+    pad = tokenizer.pad_token_id
+    trajs = _trajs(pad)
+    adv = torch.randn(len(trajs), generator=torch.Generator().manual_seed(1))
+    adv[[0, 1, 2, 3, 8, 9, 10, 11]] = 0.0  # two of three groups with equal rewards
+    kw = dict(
+        mini_batches=2, micro_batch_size=3, loss_agg=loss_agg, policy_loss=loss,
+        old_logprobs="recompute", rollout_is="truncate", max_grad_norm=1e9,
+        clip_eps=0.2 if loss != "gspo" else 0.02,
+    )  # fmt: skip
+    full, m_full = _update(base, trajs, pad, GRPOSettings(**kw), [adv])
+    fast, m_fast = _update(base, trajs, pad, GRPOSettings(**kw, skip_zero_advantage=True), [adv])
+    _close(full, fast)
+    assert _moved(full, base, 1e-4)
+    assert m_fast["train/loss"] == pytest.approx(m_full["train/loss"], abs=1e-6)
+    assert m_fast["train/grad_norm"] == pytest.approx(m_full["train/grad_norm"], rel=1e-5)
+    assert m_fast["train/tokens"] == m_full["train/tokens"]
+    assert m_fast["train/skipped_rows"] == 8.0
+    assert "train/skipped_rows" not in m_full
+
+
+def test_per_token_advantages_and_an_all_zero_step(make_tiny_model, tokenizer):
+    """Per-token advantages; then a step whose every row has A = 0 still steps AdamW with a
+    zero gradient (its momentum moves the weights), exactly as the unskipped update does."""
+    base = make_tiny_model(seed=1, sharp=True)
+    pad = tokenizer.pad_token_id
+    trajs = _trajs(pad, seed=1)
+    T = max(len(t.token_ids) for t in trajs)
+    first = torch.randn(len(trajs), T, generator=torch.Generator().manual_seed(2))
+    first[4:8] = 0.0
+    kw = dict(mini_batches=1, old_logprobs="auto", max_grad_norm=1e9)
+    advs = [first, torch.zeros(len(trajs))]
+    for steps in (1, 2):
+        full, _ = _update(base, trajs, pad, GRPOSettings(**kw), advs, steps)
+        skip = GRPOSettings(**kw, skip_zero_advantage=True)
+        fast, m = _update(base, trajs, pad, skip, advs, steps)
+        _close(full, fast)
+        assert m["train/skipped_rows"] == (4.0 if steps == 1 else 12.0)
+    one, _ = _update(base, trajs, pad, GRPOSettings(**kw), advs, 1)
+    assert _moved(one, full, 1e-5)  # the all-zero step did move the weights
+
+
+def test_old_logprobs_are_recomputed_only_for_trained_rows(make_tiny_model, tokenizer):
+    base = make_tiny_model(seed=2, sharp=True)
+    pad = tokenizer.pad_token_id
+    trajs = _trajs(pad, seed=2)
+    s = GRPOSettings(mini_batches=2, old_logprobs="recompute", skip_zero_advantage=True)
+    batch = collate(trajs, pad, CPU)
+    assert prepare_batch(base, batch, s) == {} and "old_logprobs" not in batch.extras  # deferred
+    rows = torch.tensor([i % 3 == 0 for i in range(len(trajs))])
+    prepare_batch(base, batch, s, rows=rows)
+    whole = collate(trajs, pad, CPU)
+    prepare_batch(base, whole, GRPOSettings(mini_batches=2, old_logprobs="recompute"))
+    old, ref = batch.extras["old_logprobs"], whole.extras["old_logprobs"]
+    torch.testing.assert_close(old[rows], ref[rows], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(old[~rows], (batch.rollout_logprobs * batch.loss_mask)[~rows])
+
+
+def test_not_applied_when_a_term_does_not_scale_with_the_advantage():
+    s = GRPOSettings(skip_zero_advantage=True)
+    assert s.can_skip_rows(False, None)
+    assert not s.can_skip_rows(True, None)  # KL in the loss
+    assert not GRPOSettings(skip_zero_advantage=True, entropy_coef=0.01).can_skip_rows(False, None)
+    assert not s.can_skip_rows(False, object())  # a value model
+    assert not GRPOSettings().can_skip_rows(False, None)
