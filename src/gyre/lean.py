@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,9 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SHARED_PREFIX_MIN = 8
+"""Forked prefixes at least this long are attended once per group in decode (GYRE_SHARED_ATTN=0
+turns this off)."""
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _WARNED: set[tuple[str, str]] = set()
 
@@ -134,14 +138,16 @@ def _append_kv(layer: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tens
     buf = getattr(layer, "_gyre_buf", None)
     old = layer.keys if layer.is_initialized else None
     L = 0 if old is None else old.shape[2]
-    ok = (
+    own = (
         buf is not None
         and old is not None
         and old.data_ptr() == buf[0].data_ptr()
         and old.shape[:2] == buf[0].shape[:2]
         and old.stride() == buf[0].stride()
-        and buf[0].shape[2] >= L + C
     )
+    if not own:
+        layer._gyre_prefix = None  # rows/columns were rearranged by someone else
+    ok = own and buf is not None and buf[0].shape[2] >= L + C
     if not ok:
         B, H, _, D = k.shape
         cap = max(2 * (L + C), L + C + 16)
@@ -243,6 +249,12 @@ class LeanForward:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         gqa = nkv != nh
         decode = cache is not None and C == 1 and not gqa
+        shared_attn = os.environ.get("GYRE_SHARED_ATTN", "1").strip().lower() not in (
+            "0",
+            "false",
+            "no",
+            "off",
+        )
         for li, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, self.eps)
@@ -255,7 +267,10 @@ class LeanForward:
             v = qkv[..., (nh + nkv) * hd :].view(B, C, nkv, hd).transpose(1, 2)
             if cache is not None:
                 k, v = _append_kv(cache.layers[li], k, v)
-            if decode:
+            pre = getattr(cache.layers[li], "_gyre_prefix", None) if decode else None
+            if pre is not None and shared_attn and pre.src.shape[0] == B:
+                o = _shared_prefix_attention(q, k, v, mask, pre, self.scaling)
+            elif decode:
                 # one query per row: two strided bmm on the cache views, no copy of the cache
                 K = k.shape[2]
                 s = torch.baddbmm(
@@ -318,17 +333,112 @@ class LeanForward:
         return self.additive(causal[None, None] & attention_mask.bool()[:, None, None, :], dtype)
 
 
-def select_kv_rows(layer: Any, idx: torch.Tensor) -> None:
+@dataclass
+class _Prefix:
+    """Columns [0, length) of every row r equal row ``src[r]`` of ``keys``/``values`` (U rows):
+    a group's prompt, prefilled once and forked. Decode attention reads them once per group."""
+
+    keys: torch.Tensor  # (U, H, length, D)
+    values: torch.Tensor
+    src: torch.Tensor  # (B,) long
+    length: int
+
+
+_SRC_MEMO: list[Any] = [None, None, None]  # (old src, idx, new src): one src object per select
+
+
+def _select_src(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``src[idx]``, the same tensor object for every layer of one select (so the grouping
+    computed from it is shared by all layers)."""
+    if _SRC_MEMO[0] is src and _SRC_MEMO[1] is idx:
+        return _SRC_MEMO[2]
+    new = src.index_select(0, idx)
+    _SRC_MEMO[:] = [src, idx, new]
+    return new
+
+
+def select_kv_rows(layer: Any, idx: torch.Tensor, fork_min: int = SHARED_PREFIX_MIN) -> None:
     """Keep rows ``idx`` of a DynamicLayer; a lean-owned buffer is gathered whole, so the
-    layer keeps its spare capacity (no reallocation at the next append)."""
+    layer keeps its spare capacity (no reallocation at the next append).
+
+    A fork (``idx`` repeating rows, as the engine's prefix sharing does) of at least
+    ``fork_min`` columns records the pre-fork rows as a shared prefix (:class:`_Prefix`), which
+    decode attention then reads once per group instead of once per row.
+    """
     buf = getattr(layer, "_gyre_buf", None)
     keys = layer.keys
     own = buf is not None and keys.data_ptr() == buf[0].data_ptr()
     if own and keys.stride() == buf[0].stride():
         L = keys.shape[2]
+        pre = getattr(layer, "_gyre_prefix", None)
+        if pre is not None:
+            pre = _Prefix(pre.keys, pre.values, _select_src(pre.src, idx), pre.length)
+        elif L >= fork_min and idx.numel() > keys.shape[0]:
+            pre = _Prefix(keys, layer.values, idx, L)
         bk, bv = buf[0].index_select(0, idx), buf[1].index_select(0, idx)
         layer._gyre_buf = (bk, bv)
+        layer._gyre_prefix = pre
         layer.keys, layer.values = bk[:, :, :L], bv[:, :, :L]
         return
+    layer._gyre_prefix = None
     layer.keys = keys.index_select(0, idx)
     layer.values = layer.values.index_select(0, idx)
+
+
+_GROUPING: list[Any] = [None, None]  # (src, grouping)
+
+
+def _grouping(src: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(gidx (U*G,) row index per group slot, B for an empty slot; rowpos (B,) slot of each
+    row; G = the largest group), cached for the last ``src`` object."""
+    if _GROUPING[0] is src:
+        return _GROUPING[1]
+    B = src.shape[0]
+    counts = torch.bincount(src, minlength=groups)
+    G = int(counts.max())
+    order = torch.argsort(src, stable=True)
+    start = torch.cumsum(counts, 0) - counts
+    slot = torch.empty(B, dtype=torch.long, device=src.device)
+    slot[order] = torch.arange(B, device=src.device) - start[src[order]]
+    rowpos = src * G + slot
+    gidx = torch.full((groups * G,), B, dtype=torch.long, device=src.device)
+    gidx[rowpos] = torch.arange(B, device=src.device)
+    out = (gidx, rowpos, G)
+    _GROUPING[:] = [src, out]
+    return out
+
+
+def _shared_prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    pre: _Prefix,
+    scale: float,
+) -> torch.Tensor:
+    """One-query decode attention (B, H, 1, D) -> (B, 1, H*D) over keys whose first
+    ``pre.length`` columns are a shared prefix: scores and weighted values of the prefix are
+    computed per group (one small matmul per group and head, reading each prefix once), the
+    row's own columns per row; one softmax over both (the same maths as plain attention)."""
+    B, H, _, D = q.shape
+    K, L0 = k.shape[2], pre.length
+    U = pre.keys.shape[0]
+    gidx, rowpos, G = _grouping(pre.src, U)
+    q3 = q.reshape(B, H, D)
+    qpad = torch.cat([q3, q3.new_zeros(1, H, D)])[gidx]  # (U*G, H, D)
+    qg = qpad.view(U, G, H, D).transpose(1, 2).reshape(U * H, G, D)
+    sp = torch.bmm(qg, pre.keys.reshape(U * H, L0, D).transpose(1, 2))  # (U*H, G, L0)
+    sp = sp.view(U, H, G, L0).transpose(1, 2).reshape(U * G, H, L0)[rowpos]  # (B, H, L0)
+    ks = k[:, :, L0:].reshape(B * H, K - L0, D)
+    ss = torch.bmm(q.reshape(B * H, 1, D), ks.transpose(1, 2)).view(B, H, K - L0)
+    p = (torch.cat([sp, ss], dim=-1) * scale + mask.view(B, 1, K)).softmax(-1)
+    pg = p.new_zeros(U * G, H, L0)
+    pg[rowpos] = p[..., :L0]
+    op = torch.bmm(
+        pg.view(U, G, H, L0).transpose(1, 2).reshape(U * H, G, L0),
+        pre.values.reshape(U * H, L0, D),
+    )
+    op = op.view(U, H, G, D).transpose(1, 2).reshape(U * G, H, D)[rowpos]
+    vs = v[:, :, L0:].reshape(B * H, K - L0, D)
+    os_ = torch.bmm(p[..., L0:].reshape(B * H, 1, K - L0), vs).view(B, H, D)
+    return (op + os_).view(B, 1, H * D)

@@ -311,3 +311,42 @@ def test_unsupported_models_fall_back_and_say_why(caplog):
     assert any("rope type 'dynamic'" in m for m in msgs)
     assert any("sliding-window" in m for m in msgs)
     assert lean_for(MODELS["llama-tied"], enabled=False) is None
+
+
+def test_shared_prefix_decode_attention_equals_per_row(tokenizer, make_tiny_model, monkeypatch):
+    """Forked group prompts are attended once per group in decode; tokens and log-probs are
+    those of per-row attention (GYRE_SHARED_ATTN=0) and of the HF forward, with rows of a
+    group finishing at different steps (compaction re-indexes the groups)."""
+    import gyre.lean as lean_mod
+
+    model = make_tiny_model(seed=21, sharp=True)
+    texts = ["#.A..\n#####\nu3l1>", "..A..\n.#.#.\nd1>", "12-3=456+"]
+    prompts = [
+        [tokenizer.bos_token_id, *tokenizer.encode(t, add_special_tokens=False)] for t in texts
+    ]
+    assert min(len(p) for p in prompts) >= lean_mod.SHARED_PREFIX_MIN
+    reqs = [GenerationRequest(p, seed=10 * k + j) for k, p in enumerate(prompts) for j in range(5)]
+    stop = tuple(tokenizer.encode("1.", add_special_tokens=False))
+    params = SamplingParams(1.0, 1.0, 12, stop)
+    calls = []
+    real = lean_mod._shared_prefix_attention
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(lean_mod, "_shared_prefix_attention", spy)
+    outs = {}
+    for name, env, lean in (("shared", "1", True), ("per_row", "0", True), ("hf", "1", False)):
+        monkeypatch.setenv("GYRE_SHARED_ATTN", env)
+        n = len(calls)
+        engine = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, lean_forward=lean)
+        outs[name] = engine.generate(reqs, params)
+        assert (len(calls) > n) == (name == "shared")
+    assert len({len(c.token_ids) for c in outs["shared"]}) > 1, "want rows stopping early"
+    for other in ("per_row", "hf"):
+        for a, b in zip(outs["shared"], outs[other], strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5
+            )
