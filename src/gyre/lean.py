@@ -7,6 +7,11 @@ fewer ops: fused Q/K/V and gate/up projections (one matmul each over the concate
 weights), RoPE from a position table, ``torch.nn.functional.rms_norm``, one attention mask per
 forward shared by every layer, and KV appends written in place into a preallocated buffer.
 
+Decode attention reads the cache views with two strided ``bmm`` (no copy of the cache); when
+the engine forked a group's prompt (prefix sharing), the forked columns are attended once per
+group (:func:`_shared_prefix_attention`, "cascade" attention: each prompt's keys/values are
+read once per group instead of once per row, one softmax over prefix and own columns).
+
 It reads the parameters of the wrapped module at every call (no weight copy): gradients,
 optimizer state, weight sync and checkpoints are those of the Hugging Face model. Fused
 weights used without autograd (the engine) are cached and rebuilt when a parameter changes
@@ -19,7 +24,8 @@ model types; SiLU MLP without bias; attention with or without Q/K/V bias (``atte
 Qwen2's biases); grouped-query attention; RoPE types ``default``, ``linear``, ``llama3``,
 ``yarn``; tied or untied LM head; no attention dropout; no LoRA/peft wrapper. Switches:
 ``GYRE_LEAN=0`` (everywhere), ``engine.lean_forward`` / ``TorchEngine(lean_forward=False)``,
-``ScoringOptions(lean=False)``.
+``ScoringOptions(lean=False)``; ``GYRE_SHARED_ATTN=0`` turns off only the per-group prefix
+attention.
 """
 
 from __future__ import annotations
@@ -99,7 +105,21 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return "q/k norms"
         if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return "MLP is not gate/up/down"
+    if not _plain_linears(inner):
+        return "projections that are not plain nn.Linear (e.g. LoRA layers)"
     return None
+
+
+def _plain_linears(inner: torch.nn.Module) -> bool:
+    """Every projection is still a plain ``nn.Linear`` (peft injects LoRA layers in place, after
+    the lean forward may have been built)."""
+    linear = torch.nn.Linear
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        for mod in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            if type(mod) is not linear:
+                return False
+    return True
 
 
 def lean_for(model: torch.nn.Module, enabled: bool = True) -> LeanForward | None:
@@ -107,7 +127,7 @@ def lean_for(model: torch.nn.Module, enabled: bool = True) -> LeanForward | None
     if not enabled or not lean_env_enabled():
         return None
     cached = model.__dict__.get("_gyre_lean")
-    if cached is not None:
+    if cached is not None and _plain_linears(cached.inner):
         return cached
     reason = unsupported_reason(model)
     if reason is not None:

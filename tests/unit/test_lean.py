@@ -350,3 +350,15 @@ def test_shared_prefix_decode_attention_equals_per_row(tokenizer, make_tiny_mode
             torch.testing.assert_close(
                 torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5
             )
+
+
+def test_lora_injected_after_build_falls_back():
+    """peft replaces projections in place: a lean forward built before must not ignore them."""
+    peft = pytest.importorskip("peft")
+    model = copy.deepcopy(MODELS["llama-tied"])
+    assert lean_for(model) is not None
+    wrapped = peft.get_peft_model(
+        model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"], lora_dropout=0.0)
+    )
+    assert lean_for(wrapped) is None
+    assert lean_for(model) is None  # the base model now holds LoRA layers
