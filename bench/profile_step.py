@@ -94,19 +94,43 @@ def _common() -> list[tuple[Any, str, str, Callable[[], bool] | None]]:
     ]
 
 
+_EVAL = [False]  # inside the held-out evaluation after the timed steps: not timed
+
+
+def _not_eval() -> bool:
+    return not _EVAL[0]
+
+
+def _untimed_eval(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(*a: Any, **k: Any) -> Any:
+        _EVAL[0] = True
+        try:
+            return fn(*a, **k)
+        finally:
+            _EVAL[0] = False
+
+    return run
+
+
 def profile_gyre(path: Path, args: argparse.Namespace) -> dict[str, float]:
     import gyre.update as upd
 
     ph = Phases()
+    saved = vs_trl.evaluate_reward
+    vs_trl.evaluate_reward = _untimed_eval(saved)
     targets = [
         *_common(),
-        (vs_trl, "run_episodes", "rollout", None),
+        (vs_trl, "run_episodes", "rollout", _not_eval),
         (upd, "prepare_batch", "old_logprobs", None),
         (upd, "policy_forward", "forward", None),
         (vs_trl.TorchEngine, "load_weights", "weight_sync", None),
     ]
-    with patched(targets, ph):
-        res = vs_trl.run_gyre(path, args)
+    try:
+        with patched(targets, ph):
+            res = vs_trl.run_gyre(path, args)
+    finally:
+        vs_trl.evaluate_reward = saved
     return _per_step(ph, res["seconds"], args.steps)
 
 
@@ -181,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--max-operand", type=int, default=9)
     p.add_argument("--decode", action="store_true", help="also profile one decode run")
     p.add_argument("--no-trl", action="store_true")
     a = p.parse_args(argv)
@@ -194,12 +219,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "8",
             "--max-new-tokens",
             str(a.max_new_tokens),
+            "--max-operand",
+            str(a.max_operand),
         ]
     )
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     transformers.utils.logging.set_verbosity_error()
     report: dict[str, Any] = {
+        "max_operand": a.max_operand,
         "bench": "profile_step",
         "steps": a.steps,
         "max_new_tokens": a.max_new_tokens,
