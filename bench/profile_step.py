@@ -208,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-operand", type=int, default=9)
     p.add_argument("--decode", action="store_true", help="also profile one decode run")
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--quick", action="store_true", help="vs_trl.py --quick sizes: smoke test")
     a = p.parse_args(argv)
     args = vs_trl.parse_args(
         [
@@ -221,22 +222,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             str(a.max_new_tokens),
             "--max-operand",
             str(a.max_operand),
+            *(["--quick"] if a.quick else []),
         ]
     )
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     transformers.utils.logging.set_verbosity_error()
     report: dict[str, Any] = {
-        "max_operand": a.max_operand,
         "bench": "profile_step",
-        "steps": a.steps,
-        "max_new_tokens": a.max_new_tokens,
-        "sft_steps": a.sft_steps,
+        "steps": args.steps,
+        "max_new_tokens": args.max_new_tokens,
+        "max_operand": args.max_operand,
+        "sft_steps": args.sft_steps,
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
     with tempfile.TemporaryDirectory(prefix="gyre-prof-") as tmp:
         work = Path(tmp)
         base = create_tiny_checkpoint(ModelConfig(), work / "tiny", 0)
-        warm = vs_trl.warm_start(base, work / "warm", a.sft_steps, 0, args.max_operand)
+        warm = vs_trl.warm_start(base, work / "warm", args.sft_steps, 0, args.max_operand)
         vs_trl.run_gyre(warm, vs_trl.parse_args(["--quick"]))  # warm-up (imports, caches)
         report["gyre"] = profile_gyre(warm, args)
         print("gyre s/step by phase:", report["gyre"], flush=True)
