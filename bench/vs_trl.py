@@ -335,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "model_params": count_parameters(model),
         "sft_steps": args.sft_steps,
         "trl_gradient_checkpointing": not args.trl_no_grad_ckpt,
+        "gyre_env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith("GYRE_")},
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "quick": args.quick,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
