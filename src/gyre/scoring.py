@@ -216,14 +216,11 @@ def _prefix_groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
     return groups
 
 
-def tree_pack(rows: list[list[int]], pad_token_id: int, device: torch.device) -> TreePacked:
-    """Lay out rows sharing a prefix once per group: ``[prefix, suffix_1, ..., suffix_G]``.
-
-    Suffix j's position ids continue the prefix's (p, p+1, ...), and ``allowed`` lets a
-    suffix token see the prefix and the earlier tokens of its own suffix only, so every token
-    sees exactly the tokens it saw in its own row. Trees are placed in rows of the widest
-    tree's width by first-fit decreasing; the padding tail is a segment of its own.
-    """
+def _tree_bins(
+    rows: list[list[int]],
+) -> tuple[list[tuple[list[int], int, int]], list[list[int]], int]:
+    """(trees as (members, prefix length, size), bins of tree indices, row width): the tree
+    layout's shape, cheap to compute before deciding whether to build it."""
     trees = []  # (members, prefix length, size)
     for members, p in _prefix_groups(rows):
         trees.append((members, p, p + sum(len(rows[i]) - p for i in members)))
@@ -240,6 +237,24 @@ def tree_pack(rows: list[list[int]], pad_token_id: int, device: torch.device) ->
             free.append(width)
         bins[r].append(k)
         free[r] -= trees[k][2]
+    return trees, bins, width
+
+
+def tree_pack(
+    rows: list[list[int]],
+    pad_token_id: int,
+    device: torch.device,
+    layout: tuple[list[tuple[list[int], int, int]], list[list[int]], int] | None = None,
+) -> TreePacked:
+    """Lay out rows sharing a prefix once per group: ``[prefix, suffix_1, ..., suffix_G]``.
+
+    Suffix j's position ids continue the prefix's (p, p+1, ...), and ``allowed`` lets a
+    suffix token see the prefix and the earlier tokens of its own suffix only, so every token
+    sees exactly the tokens it saw in its own row. Trees are placed in rows of the widest
+    tree's width by first-fit decreasing; the padding tail is a segment of its own.
+    ``layout`` is :func:`_tree_bins` of ``rows`` when already computed.
+    """
+    trees, bins, width = layout if layout is not None else _tree_bins(rows)
     R = len(bins)
     ids = [[pad_token_id] * width for _ in range(R)]
     pos = [[0] * width for _ in range(R)]
@@ -307,11 +322,11 @@ def plan_tree(
     """The tree layout of a right-padded batch when it costs at most ``TREE_MIN_SAVING`` of
     the ``other`` (rows, width) layout, else None."""
     rows = [input_ids[b, : lengths[b]].tolist() for b in range(len(lengths))]
-    tree = tree_pack(rows, pad_token_id, input_ids.device)
-    R, W = tree.input_ids.shape
+    layout = _tree_bins(rows)
+    R, W = len(layout[1]), layout[2]
     if _layout_cost(model, R, W) > TREE_MIN_SAVING * _layout_cost(model, *other):
-        return None
-    return tree
+        return None  # decided before any (R, W, W) mask is built
+    return tree_pack(rows, pad_token_id, input_ids.device, layout)
 
 
 def _score_chunk(
