@@ -58,6 +58,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why :class:`LeanForward` cannot run ``model`` exactly, or None when it can."""
     if hasattr(model, "peft_config"):
         return "a peft (LoRA) wrapper"
+    if _sharded(model):
+        return "FSDP-sharded parameters (the lean path bypasses FSDP's unshard hooks)"
     cfg = getattr(model, "config", None)
     if cfg is None:
         return "no config"
@@ -110,6 +112,14 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    """FSDP2 (``fully_shard``) swaps the module classes and shards parameters as DTensors."""
+    if type(model).__name__.startswith("FSDP"):
+        return True
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and type(layers[0]).__name__.startswith("FSDP")
+
+
 def _plain_linears(inner: torch.nn.Module) -> bool:
     """Every projection is still a plain ``nn.Linear`` (peft injects LoRA layers in place, after
     the lean forward may have been built)."""
@@ -127,7 +137,7 @@ def lean_for(model: torch.nn.Module, enabled: bool = True) -> LeanForward | None
     if not enabled or not lean_env_enabled():
         return None
     cached = model.__dict__.get("_gyre_lean")
-    if cached is not None and _plain_linears(cached.inner):
+    if cached is not None and _plain_linears(cached.inner) and not _sharded(model):
         return cached
     reason = unsupported_reason(model)
     if reason is not None:

@@ -311,6 +311,10 @@ def test_unsupported_models_fall_back_and_say_why(caplog):
     assert any("rope type 'dynamic'" in m for m in msgs)
     assert any("sliding-window" in m for m in msgs)
     assert lean_for(MODELS["llama-tied"], enabled=False) is None
+    # FSDP2's fully_shard swaps the class (FSDP<Name>) and shards parameters as DTensors
+    sharded_cls = type("FSDPLlamaForCausalLM", (LlamaForCausalLM,), {})
+    sharded = sharded_cls(LlamaConfig(**SMALL, num_attention_heads=4))
+    assert "FSDP" in str(unsupported_reason(sharded))
 
 
 def test_shared_prefix_decode_attention_equals_per_row(tokenizer, make_tiny_model, monkeypatch):
