@@ -553,7 +553,8 @@ class TorchEngine:
         mask = torch.tensor(mask_l, dtype=torch.long)
         pos = torch.tensor(pos_l, dtype=torch.long)
         keep = torch.zeros((B, C), dtype=torch.bool)
-        keep[torch.arange(B), torch.tensor(keep_l)] = True
+        if C > 1:  # the last real position of each row (a decode step keeps its only one)
+            keep[torch.arange(B), torch.tensor(keep_l)] = True
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         batch.colmask = torch.cat([batch.colmask, mask], dim=1)
         lean = self._lean() if not (C == 1 and self._compiled) else None
