@@ -374,16 +374,17 @@ class _Prefix:
     length: int
 
 
-_SRC_MEMO: list[Any] = [None, None, None]  # (old src, idx, new src): one src object per select
+_SRC_MEMO: list[Any] = [None]  # [(old src, idx, new src)]: one src object per select
 
 
 def _select_src(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``src[idx]``, the same tensor object for every layer of one select (so the grouping
     computed from it is shared by all layers)."""
-    if _SRC_MEMO[0] is src and _SRC_MEMO[1] is idx:
-        return _SRC_MEMO[2]
+    memo = _SRC_MEMO[0]  # one read of one tuple: consistent even if another thread writes
+    if memo is not None and memo[0] is src and memo[1] is idx:
+        return memo[2]
     new = src.index_select(0, idx)
-    _SRC_MEMO[:] = [src, idx, new]
+    _SRC_MEMO[0] = (src, idx, new)
     return new
 
 
@@ -415,14 +416,15 @@ def select_kv_rows(layer: Any, idx: torch.Tensor, fork_min: int = SHARED_PREFIX_
     layer.values = layer.values.index_select(0, idx)
 
 
-_GROUPING: list[Any] = [None, None]  # (src, grouping)
+_GROUPING: list[Any] = [None]  # [(src, grouping)]
 
 
 def _grouping(src: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(gidx (U*G,) row index per group slot, B for an empty slot; rowpos (B,) slot of each
     row; G = the largest group), cached for the last ``src`` object."""
-    if _GROUPING[0] is src:
-        return _GROUPING[1]
+    memo = _GROUPING[0]
+    if memo is not None and memo[0] is src:
+        return memo[1]
     B = src.shape[0]
     counts = torch.bincount(src, minlength=groups)
     G = int(counts.max())
@@ -434,7 +436,7 @@ def _grouping(src: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
     gidx = torch.full((groups * G,), B, dtype=torch.long, device=src.device)
     gidx[rowpos] = torch.arange(B, device=src.device)
     out = (gidx, rowpos, G)
-    _GROUPING[:] = [src, out]
+    _GROUPING[0] = (src, out)
     return out
 
 
