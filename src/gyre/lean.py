@@ -211,6 +211,7 @@ class LeanForward:
         )
         self.scaling = self.head_dim**-0.5
         self.eps = float(cfg.rms_norm_eps)
+        self.layer_params = sum(p.numel() for p in self.inner.layers.parameters())
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fused: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None]] = {}
 

@@ -81,12 +81,8 @@ class Packed:
         return int(self.input_ids.numel())
 
 
-def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) -> Packed:
-    """First-fit decreasing bin packing of the rows of a right-padded batch.
-
-    Row width W is the longest length, so no trajectory is split. The tail of a packed row is
-    padding with positions 0, 1, ... (a segment of its own that nothing reads).
-    """
+def _ffd(lengths: list[int]) -> tuple[list[list[int]], list[int], list[int]]:
+    """First-fit decreasing into rows of the longest length: (bins, row, offset) per item."""
     B = len(lengths)
     width = max(lengths)
     order = sorted(range(B), key=lambda i: -lengths[i])
@@ -106,18 +102,37 @@ def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) ->
         row[i], offset[i] = r, width - free[r]
         bins[r].append(i)
         free[r] -= n
-    ids = torch.full((len(bins), width), pad_token_id, dtype=torch.long, device=input_ids.device)
-    pos = torch.zeros((len(bins), width), dtype=torch.long, device=input_ids.device)
-    for r, members in enumerate(bins):
-        col = 0
+    return bins, row, offset
+
+
+def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) -> Packed:
+    """First-fit decreasing bin packing of the rows of a right-padded batch.
+
+    Row width W is the longest length, so no trajectory is split. The tail of a packed row is
+    padding with positions 0, 1, ... (a segment of its own that nothing reads).
+    """
+    bins, row, offset = _ffd(lengths)
+    width = max(lengths)
+    rows = input_ids.tolist()  # built as lists, converted once (per-row tensor ops cost more)
+    ids_l: list[list[int]] = []
+    pos_l: list[list[int]] = []
+    for members in bins:
+        ids_r: list[int] = []
+        pos_r: list[int] = []
         for i in members:
             n = lengths[i]
-            ids[r, col : col + n] = input_ids[i, :n]
-            pos[r, col : col + n] = torch.arange(n, device=input_ids.device)
-            col += n
-        pos[r, col:] = torch.arange(width - col, device=input_ids.device)
+            ids_r += rows[i][:n]
+            pos_r += range(n)
+        tail = width - len(ids_r)
+        ids_l.append(ids_r + [pad_token_id] * tail)
+        pos_l.append(pos_r + list(range(tail)))
     dev = input_ids.device
-    return Packed(ids, pos, torch.tensor(row, device=dev), torch.tensor(offset, device=dev))
+    return Packed(
+        torch.tensor(ids_l, dtype=torch.long, device=dev),
+        torch.tensor(pos_l, dtype=torch.long, device=dev),
+        torch.tensor(row, device=dev),
+        torch.tensor(offset, device=dev),
+    )
 
 
 def _head_and_body(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -302,7 +317,12 @@ def tree_pack(
 def _layout_cost(model: torch.nn.Module, rows: int, width: int) -> float:
     """Estimated forward FLOPs of ``rows`` x ``width`` positions under dense attention."""
     cfg = model.config
-    n_params = sum(p.numel() for p in model.model.layers.parameters())
+    lean = model.__dict__.get("_gyre_lean")
+    n_params = (
+        lean.layer_params
+        if lean is not None
+        else sum(p.numel() for p in model.model.layers.parameters())
+    )
     att = (
         4
         * int(cfg.num_hidden_layers)
@@ -374,14 +394,17 @@ def chunked_token_logprobs(
     b_idx, t_idx = need.nonzero(as_tuple=True)
     lean = lean_for(model, opts.lean)
     packed = None
+    other = (B, T)  # (rows, width) of the layout used if not tree-packed
     if opts.pack and B > 1 and (lean is not None or packing_supported(decoder)):
-        packed = pack_rows(input_ids, lengths, pad_token_id)
-        if packed.num_positions > PACK_MIN_SAVING * B * T:
-            packed = None  # rows of similar length: packing would save too little to pay
+        n_rows = len(_ffd(lengths)[0])  # the packed shape, before building anything
+        if n_rows * max(lengths) <= PACK_MIN_SAVING * B * T:
+            other = (n_rows, max(lengths))
+        # else: rows of similar length, packing would save too little to pay
     tree = None
     if lean is not None and opts.share_prefix and B > 1:
-        other = packed.input_ids.shape if packed is not None else (B, T)
-        tree = plan_tree(model, input_ids, lengths, pad_token_id, (int(other[0]), int(other[1])))
+        tree = plan_tree(model, input_ids, lengths, pad_token_id, other)
+    if tree is None and other != (B, T):
+        packed = pack_rows(input_ids, lengths, pad_token_id)
     if tree is not None:
         assert lean is not None
         dtype = lean.inner.embed_tokens.weight.dtype
