@@ -280,6 +280,9 @@ class LeanForward:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         gqa = nkv != nh
         decode = cache is not None and C == 1 and not gqa
+        # Fused Q/K/V and gate/up weights pay without autograd (cached); under autograd the
+        # cat and its backward (a zero-filled slice per weight) cost more than they save.
+        fuse = not (torch.is_grad_enabled() and inner.embed_tokens.weight.requires_grad)
         shared_attn = os.environ.get("GYRE_SHARED_ATTN", "1").strip().lower() not in (
             "0",
             "false",
@@ -289,13 +292,23 @@ class LeanForward:
         for li, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, self.eps)
-            w, b = self._cat(3 * li, [attn.q_proj, attn.k_proj, attn.v_proj])
-            qkv = F.linear(h, w, b)
-            qk = qkv[..., : (nh + nkv) * hd].view(B, C, nh + nkv, hd)
-            qk = _rope(qk, cos, sin)
-            q = qk[:, :, :nh].transpose(1, 2)
-            k = qk[:, :, nh:].transpose(1, 2)
-            v = qkv[..., (nh + nkv) * hd :].view(B, C, nkv, hd).transpose(1, 2)
+            if fuse:
+                w, b = self._cat(3 * li, [attn.q_proj, attn.k_proj, attn.v_proj])
+                qkv = F.linear(h, w, b)
+                qk = qkv[..., : (nh + nkv) * hd].view(B, C, nh + nkv, hd)
+                qk = _rope(qk, cos, sin)
+                q = qk[:, :, :nh].transpose(1, 2)
+                k = qk[:, :, nh:].transpose(1, 2)
+                v = qkv[..., (nh + nkv) * hd :].view(B, C, nkv, hd).transpose(1, 2)
+            else:
+                q = _rope(
+                    F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(B, C, nh, hd), cos, sin
+                ).transpose(1, 2)
+                k = _rope(
+                    F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(B, C, nkv, hd), cos, sin
+                ).transpose(1, 2)
+                v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(B, C, nkv, hd)
+                v = v.transpose(1, 2)
             if cache is not None:
                 k, v = _append_kv(cache.layers[li], k, v)
             pre = getattr(cache.layers[li], "_gyre_prefix", None) if decode else None
@@ -318,8 +331,11 @@ class LeanForward:
                 o = o.transpose(1, 2).reshape(B, C, nh * hd)
             x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
             h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight, self.eps)
-            w, _ = self._cat(3 * li + 1, [mlp.gate_proj, mlp.up_proj])
-            g, u = F.linear(h, w).chunk(2, dim=-1)
+            if fuse:
+                w, _ = self._cat(3 * li + 1, [mlp.gate_proj, mlp.up_proj])
+                g, u = F.linear(h, w).chunk(2, dim=-1)
+            else:
+                g, u = F.linear(h, mlp.gate_proj.weight), F.linear(h, mlp.up_proj.weight)
             x = x + F.linear(F.silu(g) * u, mlp.down_proj.weight)
         return F.rms_norm(x, (x.shape[-1],), inner.norm.weight, self.eps)
 
