@@ -44,6 +44,7 @@ Run::
     python bench/rollout.py --model /path/to/hf-folder
     python bench/rollout.py --quick          # smoke test, a few seconds
     GYRE_COMPACTION=0 python bench/rollout.py  # one optimisation off (docs/performance.md)
+    GYRE_LEAN=0 python bench/rollout.py        # the engine on the HF forward
 
 The last line of output is one JSON object with every figure and the gyre/HF ratios.
 """
@@ -397,7 +398,10 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "compaction": engine.compaction,
             "continuous": os.environ.get("GYRE_CONTINUOUS", "1"),
             "compile_decode": args.compile,
+            "lean_forward": engine._lean() is not None,
+            "shared_prefix_attention": os.environ.get("GYRE_SHARED_ATTN", "1"),
         },
+        load_average_1m=round(os.getloadavg()[0], 2),
         warmup_s=warmup,
         repeats=args.repeats,
         quick=args.quick,

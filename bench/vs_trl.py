@@ -11,10 +11,13 @@ Same task, model, batch and hyper-parameters on both sides:
 - batch: P prompts x G generations per step (default 8 x 8), at most ``--max-new-tokens``
   tokens, stopping at a newline or EOS (TRL: the newline id is added to the model's
   ``generation_config.eos_token_id``), temperature 1, top-p 1, no top-k;
-- update: one AdamW step per batch (lr ``--lr``, weight decay 0, grad-norm clip 1.0), PPO-clip
+- update: one fused AdamW step per batch (TRL's default ``adamw_torch_fused``; lr ``--lr``,
+  weight decay 0, grad-norm clip 1.0), PPO-clip
   eps 0.2, group-normalised advantages, per-sequence-then-mean loss (TRL ``loss_type="grpo"``,
   gyre ``seq-mean-token-mean``), no reference model (TRL ``beta=0``), no KL;
-- TRL: ``use_cpu=True, bf16=False``, no vLLM, no checkpoints, no logging backends.
+- TRL: ``use_cpu=True, bf16=False``, no vLLM, no checkpoints, no logging backends, its default
+  gradient (activation) checkpointing on (``--trl-no-grad-ckpt`` turns it off: TRL then skips
+  the recomputed forward in backward, at the cost of memory).
 
 Timing: wall time of the training steps only (TRL: from the first ``on_step_begin`` to the last
 ``on_step_end`` of a callback; gyre: the same span around its step loop: rollout, advantages,
@@ -110,7 +113,8 @@ def evaluate_reward(
 def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     model, tok = load_pretrained(path, torch.device("cpu"))
     engine = TorchEngine(copy.deepcopy(model), tok.pad_token_id, seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # fused: the same AdamW kernel as TRL (transformers defaults to optim="adamw_torch_fused")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     settings = GRPOSettings(
         clip_eps=0.2,
         mini_batches=1,
@@ -195,6 +199,7 @@ def run_trl(path: Path, args: argparse.Namespace, workdir: Path) -> dict[str, An
         weight_decay=0.0,
         max_grad_norm=1.0,
         max_steps=args.steps,
+        gradient_checkpointing=not args.trl_no_grad_ckpt,
         beta=0.0,
         epsilon=0.2,
         num_iterations=1,
@@ -261,6 +266,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-tasks", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs per side, alternated; best")
+    p.add_argument(
+        "--trl-no-grad-ckpt",
+        action="store_true",
+        help="TRL without its default gradient checkpointing (faster, more memory)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes: smoke test")
     args = p.parse_args(argv)
     if args.quick:
@@ -324,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "trl_eval_reward": round(t["eval_reward"], 4),
         "model_params": count_parameters(model),
         "sft_steps": args.sft_steps,
+        "trl_gradient_checkpointing": not args.trl_no_grad_ckpt,
+        "gyre_env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith("GYRE_")},
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "quick": args.quick,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

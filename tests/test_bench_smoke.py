@@ -90,3 +90,15 @@ def test_checkpoint_bench_tiny(tmp_path) -> None:
     assert report["checkpoint_bytes"] > 0 and report["checkpoint_writes_timed"] >= 2
     assert 0 < report["share_at_every_20"] < 1
     assert report["resume_to_first_new_step_s"] > report["of_which_step_compute_s"] > 0
+
+
+def test_profile_step_bench_quick() -> None:
+    """``bench/profile_step.py --quick``: per-phase seconds of both sides, phases <= the step."""
+    pytest.importorskip("trl", reason="TRL is a bench extra: pip install 'gyre[bench]'")
+    report = _last_json(BENCH.parent / "profile_step.py", "--quick")
+    assert report["bench"] == "profile_step"
+    for side, must in (("gyre", ("rollout", "forward", "backward")), ("trl", ("generation",))):
+        phases = report[side]
+        assert phases["step"] > 0
+        for name in must:
+            assert 0 < phases[name] <= phases["step"], (side, name, phases)

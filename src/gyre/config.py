@@ -288,6 +288,10 @@ class EngineConfig(_Section):
     )
     sync_every: int = Field(1, gt=0, description="Sync the engines every N policy updates.")
     sync_keep: int = Field(2, ge=1, description="Synced versions kept on disk.")
+    lean_forward: bool = Field(
+        True,
+        description="torch engine: lean forward for Llama/Mistral/Qwen2 (gyre.lean); false = HF.",
+    )
     weight_sync: Literal["memory", "disk"] = Field(
         "memory",
         description="torch engine only: copy tensors in memory, or go through sync_dir files "

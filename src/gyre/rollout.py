@@ -99,6 +99,18 @@ def run_episodes(
     lps: list[list[float]] = []
     infos: list[dict] = [{} for _ in range(n)]
     failed: set[int] = set()
+    # Texts repeat across a group (the same first observation G times, the same answers):
+    # encode / decode each distinct one once per rollout (a tokenizer call costs ~50 us).
+    enc_memo: dict[str, list[int]] = {}
+    dec_memo: dict[tuple[int, ...], str] = {}
+
+    def encode(text: str) -> list[int]:
+        got = enc_memo.get(text)
+        if got is None:
+            got = enc_memo[text] = encode_obs(tokenizer, text)
+        return list(got)
+
+    bos = tokenizer.bos_token_id
     for k, seed in enumerate(task_seeds):
         for j in range(group_size):
             i = k * group_size + j
@@ -108,7 +120,9 @@ def run_episodes(
                 infos[i] = _env_failure(i, int(seed), "reset")
                 failed.add(i)
                 first_obs = ""
-            first = prompt_ids(tokenizer, first_obs) or [tokenizer.pad_token_id]
+            # == prompt_ids(tokenizer, first_obs), memoised
+            first = ([bos] if bos is not None else []) + encode(first_obs)
+            first = first or [tokenizer.pad_token_id]
             ids.append(first)
             mask.append([0] * len(first))
             lps.append([0.0] * len(first))
@@ -136,7 +150,10 @@ def run_episodes(
         lps[i].extend(out.logprobs)
         gen_tokens += len(out.token_ids)
         truncated[i] = out.finish_reason == "length"
-        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        key = tuple(out.token_ids)
+        text = dec_memo.get(key)
+        if text is None:
+            text = dec_memo[key] = tokenizer.decode(out.token_ids, skip_special_tokens=True)
         turns[i] += 1
         try:
             obs, r, done, info = envs[i].step(text)
@@ -148,7 +165,7 @@ def run_episodes(
         infos[i] = info
         if done:
             return False
-        obs_ids = encode_obs(tokenizer, obs)
+        obs_ids = encode(obs)
         ids[i].extend(obs_ids)
         mask[i].extend([0] * len(obs_ids))
         lps[i].extend([0.0] * len(obs_ids))

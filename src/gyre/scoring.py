@@ -13,9 +13,17 @@ Two things waste most of a training forward on RL batches:
   activation checkpointing, so autograd keeps only the hidden states and recomputes one
   chunk's logits in backward.
 
-Both give the same log-probs, entropies and gradients as the plain path (tested, fp32
-tolerance). Switches (for measuring, see docs/performance.md): ``GYRE_PACK=0`` and
-``GYRE_LOGPROB_CHUNK=0`` (0 = no chunking: one full-vocab pass, as before).
+- **Shared prefixes.** The G samples of a GRPO group repeat the same prompt. With the lean
+  forward (:mod:`gyre.lean`, Llama-family models) :func:`tree_pack` lays a group out once as
+  ``[prefix, suffix_1, ..., suffix_G]`` with a tree mask (a suffix sees the prefix and itself),
+  so the prompt is computed once per group in forward and backward; it is used when its
+  estimated cost (positions x per-token FLOPs + rows x width^2 x attention FLOPs) is at most
+  ``TREE_MIN_SAVING`` of the padded or packed layout's.
+
+All give the same log-probs, entropies and gradients as the plain path (tested, fp32
+tolerance). Switches (for measuring, see docs/performance.md): ``GYRE_PACK=0``,
+``GYRE_LOGPROB_CHUNK=0`` (0 = no chunking: one full-vocab pass, as before), ``GYRE_LEAN=0``
+(Hugging Face forward) and ``GYRE_SHARE_PREFIX=0`` (no tree packing).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from gyre.lean import LeanForward, lean_for
 from gyre.sampling import sampling_logprobs
 
 
@@ -45,12 +54,16 @@ class ScoringOptions:
 
     pack: bool = True
     chunk: int = 1024  # positions per LM-head / log-softmax chunk; 0 = all at once
+    lean: bool = True  # the lean forward for Llama-family models (gyre.lean)
+    share_prefix: bool = True  # tree packing of shared prefixes (needs the lean forward)
 
     @classmethod
     def from_env(cls) -> ScoringOptions:
         return cls(
             pack=_env_int("GYRE_PACK", 1) != 0,
             chunk=max(0, _env_int("GYRE_LOGPROB_CHUNK", 1024)),
+            lean=_env_int("GYRE_LEAN", 1) != 0,
+            share_prefix=_env_int("GYRE_SHARE_PREFIX", 1) != 0,
         )
 
 
@@ -68,12 +81,8 @@ class Packed:
         return int(self.input_ids.numel())
 
 
-def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) -> Packed:
-    """First-fit decreasing bin packing of the rows of a right-padded batch.
-
-    Row width W is the longest length, so no trajectory is split. The tail of a packed row is
-    padding with positions 0, 1, ... (a segment of its own that nothing reads).
-    """
+def _ffd(lengths: list[int]) -> tuple[list[list[int]], list[int], list[int]]:
+    """First-fit decreasing into rows of the longest length: (bins, row, offset) per item."""
     B = len(lengths)
     width = max(lengths)
     order = sorted(range(B), key=lambda i: -lengths[i])
@@ -93,18 +102,37 @@ def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) ->
         row[i], offset[i] = r, width - free[r]
         bins[r].append(i)
         free[r] -= n
-    ids = torch.full((len(bins), width), pad_token_id, dtype=torch.long, device=input_ids.device)
-    pos = torch.zeros((len(bins), width), dtype=torch.long, device=input_ids.device)
-    for r, members in enumerate(bins):
-        col = 0
+    return bins, row, offset
+
+
+def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) -> Packed:
+    """First-fit decreasing bin packing of the rows of a right-padded batch.
+
+    Row width W is the longest length, so no trajectory is split. The tail of a packed row is
+    padding with positions 0, 1, ... (a segment of its own that nothing reads).
+    """
+    bins, row, offset = _ffd(lengths)
+    width = max(lengths)
+    rows = input_ids.tolist()  # built as lists, converted once (per-row tensor ops cost more)
+    ids_l: list[list[int]] = []
+    pos_l: list[list[int]] = []
+    for members in bins:
+        ids_r: list[int] = []
+        pos_r: list[int] = []
         for i in members:
             n = lengths[i]
-            ids[r, col : col + n] = input_ids[i, :n]
-            pos[r, col : col + n] = torch.arange(n, device=input_ids.device)
-            col += n
-        pos[r, col:] = torch.arange(width - col, device=input_ids.device)
+            ids_r += rows[i][:n]
+            pos_r += range(n)
+        tail = width - len(ids_r)
+        ids_l.append(ids_r + [pad_token_id] * tail)
+        pos_l.append(pos_r + list(range(tail)))
     dev = input_ids.device
-    return Packed(ids, pos, torch.tensor(row, device=dev), torch.tensor(offset, device=dev))
+    return Packed(
+        torch.tensor(ids_l, dtype=torch.long, device=dev),
+        torch.tensor(pos_l, dtype=torch.long, device=dev),
+        torch.tensor(row, device=dev),
+        torch.tensor(offset, device=dev),
+    )
 
 
 def _fsdp_sharded(model: torch.nn.Module) -> bool:
@@ -169,6 +197,168 @@ def packing_supported(decoder: torch.nn.Module) -> bool:
     return _PACKING_OK[key]
 
 
+TREE_MIN_SAVING = 0.9
+"""Tree-pack only when its estimated cost is at most this fraction of the other layout's."""
+
+
+@dataclass
+class TreePacked:
+    """Rows laid out as trees ``[prefix, suffix_1, suffix_2, ...]`` (see :func:`tree_pack`)."""
+
+    input_ids: torch.Tensor  # (R, W)
+    position_ids: torch.Tensor  # (R, W)
+    allowed: torch.Tensor  # (R, W, W) bool: query column may attend to key column
+    loc_row: list[list[int]]  # per batch row b, per token t: packed row holding it
+    loc_col: list[list[int]]  # ... and its column
+
+
+def _prefix_groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Groups of rows sharing a prefix, as (members, shared prefix length).
+
+    Rows are sorted by their tokens, so rows sharing a prefix are adjacent; a row joins the
+    current group while that does not lower the positions the group saves,
+    (members - 1) x prefix length. A group of one has prefix length 0.
+    """
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    groups: list[tuple[list[int], int]] = []
+    members: list[int] = []
+    lcp = 0
+    for i in order:
+        if members:
+            first = rows[members[0]]
+            n = 0
+            limit = min(lcp, len(rows[i]))
+            while n < limit and first[n] == rows[i][n]:
+                n += 1
+            if n >= 1 and len(members) * n >= (len(members) - 1) * lcp:
+                members.append(i)
+                lcp = n
+                continue
+            groups.append((members, lcp if len(members) > 1 else 0))
+        members, lcp = [i], len(rows[i])
+    if members:
+        groups.append((members, lcp if len(members) > 1 else 0))
+    return groups
+
+
+def _tree_bins(
+    rows: list[list[int]],
+) -> tuple[list[tuple[list[int], int, int]], list[list[int]], int]:
+    """(trees as (members, prefix length, size), bins of tree indices, row width): the tree
+    layout's shape, cheap to compute before deciding whether to build it."""
+    trees = []  # (members, prefix length, size)
+    for members, p in _prefix_groups(rows):
+        trees.append((members, p, p + sum(len(rows[i]) - p for i in members)))
+    width = max(t[2] for t in trees)
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for k in sorted(range(len(trees)), key=lambda k: -trees[k][2]):
+        for r, room in enumerate(free):  # noqa: B007 (r is used after the loop)
+            if room >= trees[k][2]:
+                break
+        else:
+            r = len(bins)
+            bins.append([])
+            free.append(width)
+        bins[r].append(k)
+        free[r] -= trees[k][2]
+    return trees, bins, width
+
+
+def tree_pack(
+    rows: list[list[int]],
+    pad_token_id: int,
+    device: torch.device,
+    layout: tuple[list[tuple[list[int], int, int]], list[list[int]], int] | None = None,
+) -> TreePacked:
+    """Lay out rows sharing a prefix once per group: ``[prefix, suffix_1, ..., suffix_G]``.
+
+    Suffix j's position ids continue the prefix's (p, p+1, ...), and ``allowed`` lets a
+    suffix token see the prefix and the earlier tokens of its own suffix only, so every token
+    sees exactly the tokens it saw in its own row. Trees are placed in rows of the widest
+    tree's width by first-fit decreasing; the padding tail is a segment of its own.
+    ``layout`` is :func:`_tree_bins` of ``rows`` when already computed.
+    """
+    trees, bins, width = layout if layout is not None else _tree_bins(rows)
+    R = len(bins)
+    ids = [[pad_token_id] * width for _ in range(R)]
+    pos = [[0] * width for _ in range(R)]
+    seg = [[0] * width for _ in range(R)]  # tree id per column (unique across the batch)
+    branch = [[0] * width for _ in range(R)]  # 0: prefix / padding, j >= 1: suffix j
+    loc_row = [[0] * len(row) for row in rows]
+    loc_col = [[0] * len(row) for row in rows]
+    tree_id = 0
+    for r, ks in enumerate(bins):
+        col = 0
+        for k in ks:
+            members, p, _ = trees[k]
+            tree_id += 1
+            first = rows[members[0]]
+            for t in range(p):
+                ids[r][col + t], pos[r][col + t], seg[r][col + t] = first[t], t, tree_id
+            for i in members:
+                loc_row[i][:p] = [r] * p
+                loc_col[i][:p] = range(col, col + p)
+            c = col + p
+            for j, i in enumerate(members, start=1):
+                row = rows[i]
+                for t in range(p, len(row)):
+                    ids[r][c], pos[r][c], seg[r][c], branch[r][c] = row[t], t, tree_id, j
+                    loc_row[i][t], loc_col[i][t] = r, c
+                    c += 1
+            col = c
+        tree_id += 1
+        for c in range(col, width):  # the padding tail: its own causal segment
+            pos[r][c], seg[r][c] = c - col, tree_id
+    seg_t = torch.tensor(seg, device=device)
+    br = torch.tensor(branch, device=device)
+    same_tree = seg_t[:, :, None] == seg_t[:, None, :]
+    own_branch = (br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    return TreePacked(
+        torch.tensor(ids, device=device),
+        torch.tensor(pos, device=device),
+        same_tree & own_branch & causal,
+        loc_row,
+        loc_col,
+    )
+
+
+def _layout_cost(model: torch.nn.Module, rows: int, width: int) -> float:
+    """Estimated forward FLOPs of ``rows`` x ``width`` positions under dense attention."""
+    cfg = model.config
+    lean = model.__dict__.get("_gyre_lean")
+    n_params = (
+        lean.layer_params
+        if lean is not None
+        else sum(p.numel() for p in model.model.layers.parameters())
+    )
+    att = (
+        4
+        * int(cfg.num_hidden_layers)
+        * int(cfg.num_attention_heads)
+        * int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    )
+    return rows * width * 2.0 * n_params + rows * width * width * float(att)
+
+
+def plan_tree(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    lengths: list[int],
+    pad_token_id: int,
+    other: tuple[int, int],
+) -> TreePacked | None:
+    """The tree layout of a right-padded batch when it costs at most ``TREE_MIN_SAVING`` of
+    the ``other`` (rows, width) layout, else None."""
+    rows = [input_ids[b, : lengths[b]].tolist() for b in range(len(lengths))]
+    layout = _tree_bins(rows)
+    R, W = len(layout[1]), layout[2]
+    if _layout_cost(model, R, W) > TREE_MIN_SAVING * _layout_cost(model, *other):
+        return None  # decided before any (R, W, W) mask is built
+    return tree_pack(rows, pad_token_id, input_ids.device, layout)
+
+
 def _score_chunk(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -212,23 +402,58 @@ def chunked_token_logprobs(
     need = attention_mask.bool().clone()
     need[:, 0] = False
     b_idx, t_idx = need.nonzero(as_tuple=True)
+    lean = lean_for(model, opts.lean)
     packed = None
-    if opts.pack and B > 1 and packing_supported(decoder):
+    other = (B, T)  # (rows, width) of the layout used if not tree-packed
+    if opts.pack and B > 1 and (lean is not None or packing_supported(decoder)):
+        n_rows = len(_ffd(lengths)[0])  # the packed shape, before building anything
+        if n_rows * max(lengths) <= PACK_MIN_SAVING * B * T:
+            other = (n_rows, max(lengths))
+        # else: rows of similar length, packing would save too little to pay
+    tree = None
+    if lean is not None and opts.share_prefix and B > 1:
+        tree = plan_tree(model, input_ids, lengths, pad_token_id, other)
+    if tree is None and other != (B, T):
         packed = pack_rows(input_ids, lengths, pad_token_id)
-        if packed.num_positions > PACK_MIN_SAVING * B * T:
-            packed = None  # rows of similar length: packing would save too little to pay
-    if packed is not None:
-        hidden = decoder(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=None,
-            use_cache=False,  # with a cache, HF would not build the per-segment causal mask
-        ).last_hidden_state
+    if tree is not None:
+        assert lean is not None
+        dtype = lean.inner.embed_tokens.weight.dtype
+        hidden = lean.hidden(
+            tree.input_ids, tree.position_ids, LeanForward.additive(tree.allowed[:, None], dtype)
+        )
+        bl, tl = b_idx.tolist(), t_idx.tolist()
+        src_row = torch.tensor(
+            [tree.loc_row[b][t - 1] for b, t in zip(bl, tl, strict=True)],
+            dtype=torch.long,
+            device=input_ids.device,
+        )
+        src_col = torch.tensor(
+            [tree.loc_col[b][t - 1] for b, t in zip(bl, tl, strict=True)],
+            dtype=torch.long,
+            device=input_ids.device,
+        )
+    elif packed is not None:
+        if lean is not None:
+            dtype = lean.inner.embed_tokens.weight.dtype
+            mask = lean.segment_mask(packed.position_ids, dtype)
+            hidden = lean.hidden(packed.input_ids, packed.position_ids, mask)
+        else:
+            hidden = decoder(
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                attention_mask=None,
+                use_cache=False,  # with a cache, HF would not build the per-segment causal mask
+            ).last_hidden_state
         src_row, src_col = packed.row[b_idx], packed.offset[b_idx] + t_idx - 1
     else:
-        hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state
+        if lean is not None:
+            dtype = lean.inner.embed_tokens.weight.dtype
+            pos = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+            hidden = lean.hidden(input_ids, pos, lean.padded_mask(attention_mask, dtype))
+        else:
+            hidden = decoder(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).last_hidden_state
         src_row, src_col = b_idx, t_idx - 1
     h = hidden[src_row, src_col]  # (N, H): the state that predicts token (b, t)
     targets = input_ids[b_idx, t_idx]

@@ -24,7 +24,12 @@ def build_engine(
     """
     e = cfg.engine
     if e.kind == "torch":
-        engine: Any = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, seed=cfg.run.seed)
+        engine: Any = TorchEngine(
+            copy.deepcopy(model),
+            tokenizer.pad_token_id,
+            seed=cfg.run.seed,
+            lean_forward=e.lean_forward,
+        )
     else:
         from gyre.engines.http_engine import HttpEngine
 

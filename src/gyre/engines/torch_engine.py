@@ -24,6 +24,9 @@ What is saved, each measurable on its own (``bench/rollout.py --engine-flags``):
   the new suffix.
 - **Last-position logits only**: the LM head runs on one position per row
   (``logits_to_keep``), never on every prefill position.
+- **Lean forward** (``lean_forward``, :mod:`gyre.lean`): Llama-family models run a forward with
+  fewer ops over the same parameters, appending keys/values in place into a preallocated
+  buffer; other models (or ``lean_forward=False`` / ``GYRE_LEAN=0``) use the HF forward.
 
 Sampling is counter-based (:func:`gyre.sampling.sample_tokens_keyed`): token k of a request is
 drawn from a uniform keyed by (request seed, k), so a request's tokens do not depend on the
@@ -44,6 +47,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from gyre.lean import LeanForward, lean_for, select_kv_rows
 from gyre.sampling import sample_tokens_keyed, sampling_logprobs
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
@@ -116,8 +120,7 @@ class _Batch:
         idx = torch.tensor(keep, device=self.colmask.device)
         for layer in self._layers():
             if layer.is_initialized:
-                layer.keys = layer.keys.index_select(0, idx)
-                layer.values = layer.values.index_select(0, idx)
+                select_kv_rows(layer, idx)
         self.colmask = self.colmask.index_select(0, idx)
         self.logits = self.logits.index_select(0, idx)
         self.rows = [self.rows[i] for i in keep]
@@ -169,7 +172,9 @@ class TorchEngine:
     ``GYRE_COMPACTION=0``) to measure what each buys. Results never depend on any of them.
     ``compile_decode`` (or ``GYRE_COMPILE_DECODE=1``) runs the decode step through
     ``torch.compile``; ``admit_ratio`` sets how many requests must wait (relative to running
-    rows) before a mid-decode admission prefill is worth its forward call.
+    rows) before a mid-decode admission prefill is worth its forward call. ``lean_forward``
+    (default on; ``GYRE_LEAN=0`` turns it off) runs Llama-family models through
+    :class:`gyre.lean.LeanForward`, falling back to the HF forward for anything else.
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class TorchEngine:
         compaction: bool | None = None,
         admit_ratio: float = 0.5,
         compile_decode: bool | None = None,
+        lean_forward: bool = True,
     ) -> None:
         if max_batch_size < 0:
             raise ValueError(f"max_batch_size must be >= 0 (0 = unbounded), got {max_batch_size}")
@@ -202,6 +208,7 @@ class TorchEngine:
         self._compiled = compile_decode
         self._compiled_of: torch.nn.Module | None = None  # the model _compiled_step wraps
         self._compiled_step: Callable[..., object] | None = None
+        self.lean_forward = lean_forward
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
         self._parked: dict[Hashable, _Parked] = {}
@@ -268,6 +275,10 @@ class TorchEngine:
             self._compiled_step = torch.compile(self.model, dynamic=True)
             self._compiled_of = self.model
         return self._compiled_step
+
+    def _lean(self) -> LeanForward | None:
+        """The lean forward of the current ``self.model`` (None: use the HF forward)."""
+        return lean_for(self.model, self.lean_forward)
 
     def release(self, sessions: Iterable[Hashable]) -> None:
         for s in sessions:
@@ -542,18 +553,26 @@ class TorchEngine:
         mask = torch.tensor(mask_l, dtype=torch.long)
         pos = torch.tensor(pos_l, dtype=torch.long)
         keep = torch.zeros((B, C), dtype=torch.bool)
-        keep[torch.arange(B), torch.tensor(keep_l)] = True
+        if C > 1:  # the last real position of each row (a decode step keeps its only one)
+            keep[torch.arange(B), torch.tensor(keep_l)] = True
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         batch.colmask = torch.cat([batch.colmask, mask], dim=1)
-        forward = self._decode_model() if C == 1 else self.model
-        out = forward(
-            input_ids=ids,
-            attention_mask=batch.colmask,
-            position_ids=pos,
-            cache=batch.cache,
-            use_cache=True,
-            logits_to_keep=1 if C == 1 else keep.to(self.device),
-        )
+        lean = self._lean() if not (C == 1 and self._compiled) else None
+        if lean is not None:
+            dtype = lean.inner.embed_tokens.weight.dtype
+            hidden = lean.hidden(ids, pos, lean.cached_mask(batch.colmask, C, dtype), batch.cache)
+            last = hidden[:, 0] if C == 1 else hidden[keep.to(self.device)]
+            logits = lean.logits(last)
+        else:
+            forward = self._decode_model() if C == 1 else self.model
+            logits = forward(
+                input_ids=ids,
+                attention_mask=batch.colmask,
+                position_ids=pos,
+                cache=batch.cache,
+                use_cache=True,
+                logits_to_keep=1 if C == 1 else keep.to(self.device),
+            ).logits
         n_real = int(mask.sum())
         self.stats["forward_calls"] += 1
         self.stats["pad_tokens"] += B * C - n_real
@@ -561,5 +580,4 @@ class TorchEngine:
             self.stats["decode_tokens"] += n_real
         else:
             self.stats["prefill_tokens"] += n_real
-        logits = out.logits
         return logits[:, -1] if logits.ndim == 3 else logits

@@ -1,0 +1,493 @@
+"""A lean forward for Llama-family causal LMs, over the Hugging Face module's own parameters.
+
+Why: on small models a Hugging Face forward is mostly fixed per-op cost -- module calls, mask
+and cache objects built every step, three projections where one matmul would do, a
+``torch.cat`` of the whole KV cache per decode step. This module runs the same maths with
+fewer ops: fused Q/K/V and gate/up projections (one matmul each over the concatenated
+weights), RoPE from a position table, ``torch.nn.functional.rms_norm``, one attention mask per
+forward shared by every layer, and KV appends written in place into a preallocated buffer.
+
+Decode attention reads the cache views with two strided ``bmm`` (no copy of the cache); when
+the engine forked a group's prompt (prefix sharing), the forked columns are attended once per
+group (:func:`_shared_prefix_attention`, "cascade" attention: each prompt's keys/values are
+read once per group instead of once per row, one softmax over prefix and own columns).
+
+It reads the parameters of the wrapped module at every call (no weight copy): gradients,
+optimizer state, weight sync and checkpoints are those of the Hugging Face model. Fused
+weights used without autograd (the engine) are cached and rebuilt when a parameter changes
+(``Tensor._version`` moves on every in-place update: optimizer steps, ``load_weights``).
+
+Anything the lean path does not implement makes :func:`lean_for` return None; the reason is
+logged once per model class and reason, and the caller uses the Hugging Face forward.
+Implemented: ``llama``, ``mistral`` (no sliding window) and ``qwen2`` (no sliding window)
+model types; SiLU MLP without bias; attention with or without Q/K/V bias (``attention_bias``,
+Qwen2's biases); grouped-query attention; RoPE types ``default``, ``linear``, ``llama3``,
+``yarn``; tied or untied LM head; no attention dropout; no LoRA/peft wrapper. Switches:
+``GYRE_LEAN=0`` (everywhere), ``engine.lean_forward`` / ``TorchEngine(lean_forward=False)``,
+``ScoringOptions(lean=False)``; ``GYRE_SHARED_ATTN=0`` turns off only the per-group prefix
+attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SHARED_PREFIX_MIN = 8
+"""Forked prefixes at least this long are attended once per group in decode (GYRE_SHARED_ATTN=0
+turns this off)."""
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+_WARNED: set[tuple[str, str]] = set()
+
+
+def lean_env_enabled() -> bool:
+    """``GYRE_LEAN`` (default on): 0/false/no/off turns the lean forward off everywhere."""
+    raw = os.environ.get("GYRE_LEAN", "").strip().lower()
+    return raw not in ("0", "false", "no", "off")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why :class:`LeanForward` cannot run ``model`` exactly, or None when it can."""
+    if hasattr(model, "peft_config"):
+        return "a peft (LoRA) wrapper"
+    if _sharded(model):
+        return "FSDP-sharded parameters (the lean path bypasses FSDP's unshard hooks)"
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return "no config"
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in SUPPORTED_TYPES:
+        return f"model_type {mtype!r} (lean path: {', '.join(SUPPORTED_TYPES)})"
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if inner is None or not isinstance(head, torch.nn.Linear):
+        return "no .model / .lm_head Linear"
+    if head.bias is not None:
+        return "LM head with bias"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if getattr(cfg, "mlp_bias", False):
+        return "mlp_bias"
+    if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) != 0.0:
+        return "attention_dropout > 0"
+    if int(getattr(cfg, "pretraining_tp", 1) or 1) != 1:
+        return "pretraining_tp > 1"
+    if getattr(cfg, "sliding_window", None) is not None and (
+        mtype == "mistral" or getattr(cfg, "use_sliding_window", False)
+    ):
+        return "sliding-window attention"
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return f"layer types {sorted(set(layer_types))}"
+    for name in ("final_logit_softcapping", "logit_scale", "attn_logit_softcapping"):
+        if getattr(cfg, name, None):
+            return name
+    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", None)
+    if rope not in STATIC_ROPE:
+        return f"rope type {rope!r} (lean path: {', '.join(STATIC_ROPE)})"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
+        return f"attention implementation {cfg._attn_implementation!r}"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(layer.input_layernorm).__name__ not in (
+            "LlamaRMSNorm",
+            "MistralRMSNorm",
+            "Qwen2RMSNorm",
+        ):
+            return f"norm {type(layer.input_layernorm).__name__}"
+        if any(getattr(attn, n, None) is not None for n in ("q_norm", "k_norm")):
+            return "q/k norms"
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "MLP is not gate/up/down"
+    if not _plain_linears(inner):
+        return "projections that are not plain nn.Linear (e.g. LoRA layers)"
+    return None
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """FSDP2 (``fully_shard``) swaps the module classes and shards parameters as DTensors."""
+    if type(model).__name__.startswith("FSDP"):
+        return True
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and type(layers[0]).__name__.startswith("FSDP")
+
+
+def _plain_linears(inner: torch.nn.Module) -> bool:
+    """Every projection is still a plain ``nn.Linear`` (peft injects LoRA layers in place, after
+    the lean forward may have been built)."""
+    linear = torch.nn.Linear
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        for mod in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            if type(mod) is not linear:
+                return False
+    return True
+
+
+def lean_for(model: torch.nn.Module, enabled: bool = True) -> LeanForward | None:
+    """The model's :class:`LeanForward` (cached on the model), or None (reason logged once)."""
+    if not enabled or not lean_env_enabled():
+        return None
+    cached = model.__dict__.get("_gyre_lean")
+    if cached is not None and _plain_linears(cached.inner) and not _sharded(model):
+        return cached
+    reason = unsupported_reason(model)
+    if reason is not None:
+        key = (type(model).__name__, reason)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            log.warning("lean forward off for %s: %s; using the Hugging Face forward", *key)
+        return None
+    lean = LeanForward(model)
+    model.__dict__["_gyre_lean"] = lean  # not a submodule: no state_dict / parameters entry
+    return lean
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x) * [-sin1, sin2]."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _append_kv(layer: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append (B, H, C, D) keys/values to a DynamicLayer, in place when its buffer has room.
+
+    ``layer.keys`` stays a view ``buf[:, :, :L]`` of a buffer this layer owns; columns below L
+    are never written again, so snapshots (views of the first L columns, the engine's parked
+    sessions) stay valid. If ``layer.keys`` was replaced (gather, merge, a snapshot adopted
+    from another batch), the first append copies it into a fresh buffer of doubled capacity.
+    """
+    C = k.shape[2]
+    buf = getattr(layer, "_gyre_buf", None)
+    old = layer.keys if layer.is_initialized else None
+    L = 0 if old is None else old.shape[2]
+    own = (
+        buf is not None
+        and old is not None
+        and old.data_ptr() == buf[0].data_ptr()
+        and old.shape[:2] == buf[0].shape[:2]
+        and old.stride() == buf[0].stride()
+    )
+    if not own:
+        layer._gyre_prefix = None  # rows/columns were rearranged by someone else
+    ok = own and buf is not None and buf[0].shape[2] >= L + C
+    if not ok:
+        B, H, _, D = k.shape
+        cap = max(2 * (L + C), L + C + 16)
+        bk = k.new_empty(B, H, cap, D)
+        bv = v.new_empty(B, H, cap, D)
+        if L:
+            bk[:, :, :L].copy_(old)
+            bv[:, :, :L].copy_(layer.values)
+        buf = (bk, bv)
+        layer._gyre_buf = buf
+        if not layer.is_initialized:
+            layer.lazy_initialization(k, v)
+    bk, bv = buf
+    bk[:, :, L : L + C].copy_(k)
+    bv[:, :, L : L + C].copy_(v)
+    layer.keys, layer.values = bk[:, :, : L + C], bv[:, :, : L + C]
+    return layer.keys, layer.values
+
+
+class LeanForward:
+    """The lean forward of one Llama-family ``*ForCausalLM`` (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        cfg = model.config
+        self.inner = model.model
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        )
+        self.scaling = self.head_dim**-0.5
+        self.eps = float(cfg.rms_norm_eps)
+        self.layer_params = sum(p.numel() for p in self.inner.layers.parameters())
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None]] = {}
+
+    # -- weights ----------------------------------------------------------------------------
+    def _cat(self, key: int, mods: list[torch.nn.Linear]) -> tuple[torch.Tensor, Any]:
+        """One weight (and bias) over several Linear layers. Under autograd the cat is part of
+        the graph (gradients reach each layer's own parameter); without it the result is
+        cached until a parameter changes in place."""
+        ws = [m.weight for m in mods]
+        bs = [m.bias for m in mods]
+        has_bias = any(b is not None for b in bs)
+        if has_bias:
+            bs = [
+                b if b is not None else m.weight.new_zeros(m.out_features)
+                for b, m in zip(bs, mods, strict=True)
+            ]
+        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+            return torch.cat(ws), torch.cat(bs) if has_bias else None
+        tensors = ws + (bs if has_bias else [])
+        stamp = tuple(t._version for t in tensors) + tuple(t.data_ptr() for t in tensors)
+        hit = self._fused.get(key)
+        if hit is None or hit[0] != stamp:
+            with torch.no_grad():
+                w = torch.cat(ws)
+                b = torch.cat(bs) if has_bias else None
+            hit = (stamp, w, b)
+            self._fused[key] = hit
+        return hit[1], hit[2]
+
+    def _rope_table(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for positions 0..n-1 (grown by doubling), from the model's own
+        rotary module, so every static RoPE variant gives exactly its values."""
+        t = self._table
+        if t is None or t[0].shape[0] < n or t[0].device != like.device:
+            size = max(n, 2 * (t[0].shape[0] if t is not None else 64))
+            pos = torch.arange(size, device=like.device)[None]
+            with torch.no_grad():
+                cos, sin = self.inner.rotary_emb(like, position_ids=pos)
+            cos, sin = cos[0], sin[0]
+            half = self.head_dim // 2
+            sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+            t = (cos, sin)
+            self._table = t
+        return t
+
+    # -- forward ----------------------------------------------------------------------------
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states (B, C, H) of ``input_ids`` (B, C).
+
+        ``mask`` is an additive float mask (B, 1, C, K) over the K keys (cached ones first);
+        ``cache`` is a transformers DynamicCache whose layers get the new keys/values appended
+        (None: no cache, K = C).
+        """
+        inner = self.inner
+        B, C = input_ids.shape
+        x = inner.embed_tokens(input_ids)
+        cos_t, sin_t = self._rope_table(int(position_ids.max()) + 1, x)
+        cos = cos_t[position_ids].unsqueeze(2)  # (B, C, 1, D)
+        sin = sin_t[position_ids].unsqueeze(2)
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        gqa = nkv != nh
+        decode = cache is not None and C == 1 and not gqa
+        # Fused Q/K/V and gate/up weights pay without autograd (cached); under autograd the
+        # cat and its backward (a zero-filled slice per weight) cost more than they save.
+        fuse = not (torch.is_grad_enabled() and inner.embed_tokens.weight.requires_grad)
+        shared_attn = os.environ.get("GYRE_SHARED_ATTN", "1").strip().lower() not in (
+            "0",
+            "false",
+            "no",
+            "off",
+        )
+        for li, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, self.eps)
+            if fuse:
+                w, b = self._cat(3 * li, [attn.q_proj, attn.k_proj, attn.v_proj])
+                qkv = F.linear(h, w, b)
+                qk = qkv[..., : (nh + nkv) * hd].view(B, C, nh + nkv, hd)
+                qk = _rope(qk, cos, sin)
+                q = qk[:, :, :nh].transpose(1, 2)
+                k = qk[:, :, nh:].transpose(1, 2)
+                v = qkv[..., (nh + nkv) * hd :].view(B, C, nkv, hd).transpose(1, 2)
+            else:
+                q = _rope(
+                    F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(B, C, nh, hd), cos, sin
+                ).transpose(1, 2)
+                k = _rope(
+                    F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(B, C, nkv, hd), cos, sin
+                ).transpose(1, 2)
+                v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(B, C, nkv, hd)
+                v = v.transpose(1, 2)
+            if cache is not None:
+                k, v = _append_kv(cache.layers[li], k, v)
+            pre = getattr(cache.layers[li], "_gyre_prefix", None) if decode else None
+            if pre is not None and shared_attn and pre.src.shape[0] == B:
+                o = _shared_prefix_attention(q, k, v, mask, pre, self.scaling)
+            elif decode:
+                # one query per row: two strided bmm on the cache views, no copy of the cache
+                K = k.shape[2]
+                s = torch.baddbmm(
+                    mask.expand(B, nh, 1, K).reshape(B * nh, 1, K),
+                    q.reshape(B * nh, 1, hd),
+                    k.reshape(B * nh, K, hd).transpose(1, 2),
+                    alpha=self.scaling,
+                )
+                o = torch.bmm(s.softmax(-1), v.reshape(B * nh, K, hd)).view(B, 1, nh * hd)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa
+                )
+                o = o.transpose(1, 2).reshape(B, C, nh * hd)
+            x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+            h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight, self.eps)
+            if fuse:
+                w, _ = self._cat(3 * li + 1, [mlp.gate_proj, mlp.up_proj])
+                g, u = F.linear(h, w).chunk(2, dim=-1)
+            else:
+                g, u = F.linear(h, mlp.gate_proj.weight), F.linear(h, mlp.up_proj.weight)
+            x = x + F.linear(F.silu(g) * u, mlp.down_proj.weight)
+        return F.rms_norm(x, (x.shape[-1],), inner.norm.weight, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.model.lm_head.weight)
+
+    # -- masks ------------------------------------------------------------------------------
+    @staticmethod
+    def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Bool (.., Q, K) -> additive float mask (0 where allowed, dtype min elsewhere)."""
+        zero = torch.zeros((), dtype=dtype, device=allowed.device)
+        neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+        return torch.where(allowed, zero, neg)
+
+    def cached_mask(self, colmask: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask of a chunk of ``chunk`` new tokens appended to a cache whose column mask,
+        new columns included, is ``colmask`` (B, K): a key is visible if it is real and not
+        after the query (keys are in cache order)."""
+        K = colmask.shape[1]
+        real = colmask.bool()[:, None, None, :]  # (B, 1, 1, K)
+        if chunk == 1:
+            return self.additive(real, dtype)
+        q_pos = torch.arange(K - chunk, K, device=colmask.device)[:, None]
+        causal = torch.arange(K, device=colmask.device)[None, :] <= q_pos  # (C, K)
+        return self.additive(real & causal[None, None], dtype)
+
+    def segment_mask(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Block-diagonal causal mask of packed rows: a new segment starts wherever the
+        position id does not continue the previous one (as transformers detects packing)."""
+        W = position_ids.shape[1]
+        starts = torch.ones_like(position_ids, dtype=torch.bool)
+        starts[:, 1:] = (position_ids[:, 1:] - position_ids[:, :-1]) != 1
+        seg = starts.long().cumsum(dim=1)
+        same = seg[:, :, None] == seg[:, None, :]
+        causal = torch.ones(W, W, dtype=torch.bool, device=position_ids.device).tril()
+        return self.additive((same & causal)[:, None], dtype)
+
+    def padded_mask(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Causal mask of a right-padded batch (padding keys hidden)."""
+        T = attention_mask.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+        return self.additive(causal[None, None] & attention_mask.bool()[:, None, None, :], dtype)
+
+
+@dataclass
+class _Prefix:
+    """Columns [0, length) of every row r equal row ``src[r]`` of ``keys``/``values`` (U rows):
+    a group's prompt, prefilled once and forked. Decode attention reads them once per group."""
+
+    keys: torch.Tensor  # (U, H, length, D)
+    values: torch.Tensor
+    src: torch.Tensor  # (B,) long
+    length: int
+
+
+_SRC_MEMO: list[Any] = [None]  # [(old src, idx, new src)]: one src object per select
+
+
+def _select_src(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``src[idx]``, the same tensor object for every layer of one select (so the grouping
+    computed from it is shared by all layers)."""
+    memo = _SRC_MEMO[0]  # one read of one tuple: consistent even if another thread writes
+    if memo is not None and memo[0] is src and memo[1] is idx:
+        return memo[2]
+    new = src.index_select(0, idx)
+    _SRC_MEMO[0] = (src, idx, new)
+    return new
+
+
+def select_kv_rows(layer: Any, idx: torch.Tensor, fork_min: int = SHARED_PREFIX_MIN) -> None:
+    """Keep rows ``idx`` of a DynamicLayer; a lean-owned buffer is gathered whole, so the
+    layer keeps its spare capacity (no reallocation at the next append).
+
+    A fork (``idx`` repeating rows, as the engine's prefix sharing does) of at least
+    ``fork_min`` columns records the pre-fork rows as a shared prefix (:class:`_Prefix`), which
+    decode attention then reads once per group instead of once per row.
+    """
+    buf = getattr(layer, "_gyre_buf", None)
+    keys = layer.keys
+    own = buf is not None and keys.data_ptr() == buf[0].data_ptr()
+    if own and keys.stride() == buf[0].stride():
+        L = keys.shape[2]
+        pre = getattr(layer, "_gyre_prefix", None)
+        if pre is not None:
+            pre = _Prefix(pre.keys, pre.values, _select_src(pre.src, idx), pre.length)
+        elif L >= fork_min and idx.numel() > keys.shape[0]:
+            pre = _Prefix(keys, layer.values, idx, L)
+        bk, bv = buf[0].index_select(0, idx), buf[1].index_select(0, idx)
+        layer._gyre_buf = (bk, bv)
+        layer._gyre_prefix = pre
+        layer.keys, layer.values = bk[:, :, :L], bv[:, :, :L]
+        return
+    layer._gyre_prefix = None
+    layer.keys = keys.index_select(0, idx)
+    layer.values = layer.values.index_select(0, idx)
+
+
+_GROUPING: list[Any] = [None]  # [(src, grouping)]
+
+
+def _grouping(src: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(gidx (U*G,) row index per group slot, B for an empty slot; rowpos (B,) slot of each
+    row; G = the largest group), cached for the last ``src`` object."""
+    memo = _GROUPING[0]
+    if memo is not None and memo[0] is src:
+        return memo[1]
+    B = src.shape[0]
+    counts = torch.bincount(src, minlength=groups)
+    G = int(counts.max())
+    order = torch.argsort(src, stable=True)
+    start = torch.cumsum(counts, 0) - counts
+    slot = torch.empty(B, dtype=torch.long, device=src.device)
+    slot[order] = torch.arange(B, device=src.device) - start[src[order]]
+    rowpos = src * G + slot
+    gidx = torch.full((groups * G,), B, dtype=torch.long, device=src.device)
+    gidx[rowpos] = torch.arange(B, device=src.device)
+    out = (gidx, rowpos, G)
+    _GROUPING[0] = (src, out)
+    return out
+
+
+def _shared_prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    pre: _Prefix,
+    scale: float,
+) -> torch.Tensor:
+    """One-query decode attention (B, H, 1, D) -> (B, 1, H*D) over keys whose first
+    ``pre.length`` columns are a shared prefix: scores and weighted values of the prefix are
+    computed per group (one small matmul per group and head, reading each prefix once), the
+    row's own columns per row; one softmax over both (the same maths as plain attention)."""
+    B, H, _, D = q.shape
+    K, L0 = k.shape[2], pre.length
+    U = pre.keys.shape[0]
+    gidx, rowpos, G = _grouping(pre.src, U)
+    q3 = q.reshape(B, H, D)
+    qpad = torch.cat([q3, q3.new_zeros(1, H, D)])[gidx]  # (U*G, H, D)
+    qg = qpad.view(U, G, H, D).transpose(1, 2).reshape(U * H, G, D)
+    sp = torch.bmm(qg, pre.keys.reshape(U * H, L0, D).transpose(1, 2))  # (U*H, G, L0)
+    sp = sp.view(U, H, G, L0).transpose(1, 2).reshape(U * G, H, L0)[rowpos]  # (B, H, L0)
+    ks = k[:, :, L0:].reshape(B * H, K - L0, D)
+    ss = torch.bmm(q.reshape(B * H, 1, D), ks.transpose(1, 2)).view(B, H, K - L0)
+    p = (torch.cat([sp, ss], dim=-1) * scale + mask.view(B, 1, K)).softmax(-1)
+    pg = p.new_zeros(U * G, H, L0)
+    pg[rowpos] = p[..., :L0]
+    op = torch.bmm(
+        pg.view(U, G, H, L0).transpose(1, 2).reshape(U * H, G, L0),
+        pre.values.reshape(U * H, L0, D),
+    )
+    op = op.view(U, H, G, D).transpose(1, 2).reshape(U * G, H, D)[rowpos]
+    vs = v[:, :, L0:].reshape(B * H, K - L0, D)
+    os_ = torch.bmm(p[..., L0:].reshape(B * H, 1, K - L0), vs).view(B, H, D)
+    return (op + os_).view(B, 1, H * D)
