@@ -43,8 +43,13 @@ def _update(base, trajs, pad, settings, adv, steps: int = 1):
 
 
 def _close(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """Equal up to float rounding. Skipping rows changes the batch's shape, hence the float order
+    of the (lean, packed) forward; AdamW divides by sqrt(v), so a rounding-level difference in a
+    near-zero gradient can move a weight by a small fraction of the learning rate (0.01 here):
+    2e-4 is 2 % of one step, far below what a wrongly skipped row would change (AdamW hides a
+    gradient scale error, which the grad-norm check in the test catches)."""
     for x, y in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(x, y, atol=2e-4, rtol=1e-5)
 
 
 def _moved(a: torch.nn.Module, b: torch.nn.Module, tol: float) -> bool:
