@@ -15,26 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import deque
 
 import numpy as np
 
-from gyre.envs.maze import MOVES, MazeEnv
-
-
-def _distances(free: np.ndarray, goal: tuple[int, int]) -> np.ndarray:
-    n, m = free.shape
-    dist = np.full((n, m), 10**6)
-    dist[goal] = 0
-    queue = deque([goal])
-    while queue:
-        r, c = queue.popleft()
-        for dr, dc in MOVES.values():
-            rr, cc = r + dr, c + dc
-            if 0 <= rr < n and 0 <= cc < m and free[rr, cc] and dist[rr, cc] > dist[r, c] + 1:
-                dist[rr, cc] = dist[r, c] + 1
-                queue.append((rr, cc))
-    return dist
+from gyre.envs.maze import MOVES, MazeEnv, bfs_distances
 
 
 def success_rate(radius: int, shape: str, memory: bool, episodes: int, seed0: int = 10**6) -> float:
@@ -57,7 +41,8 @@ def success_rate(radius: int, shape: str, memory: bool, episodes: int, seed0: in
                     if 0 <= pr + dr < n and 0 <= pc + dc < n:
                         known[pr + dr, pc + dc] = True
             free = ~(env.walls & known)
-            dist = _distances(free, env.goal)
+            dist = bfs_distances(env.walls & known, env.goal)
+            dist[dist < 0] = 10**6  # cut off from the goal by the walls it knows
             options = []
             for i, (name, (dr, dc)) in enumerate(MOVES.items()):
                 r, c = pr + dr, pc + dc

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+import socket
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -92,6 +94,21 @@ def dp_batch(model: torch.nn.Module, n: int = 8, seed: int = 0):
         ).tolist()
     adv = torch.linspace(-1.0, 1.0, n)
     return trajs, adv
+
+
+def spawn_two_ranks(target: Callable[..., None], tmp_path: Path, model, tokenizer) -> None:
+    """Save ``model`` to ``tmp_path/m`` and run ``target(rank, 2, port, tmp_path, model_dir)``
+    on two spawned processes that meet on a free local port (the ranks write their results
+    under ``tmp_path``)."""
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import torch.multiprocessing as mp
+
+    mp.start_processes(target, args=(2, port, str(tmp_path), str(tmp_path / "m")),
+                       nprocs=2, join=True, start_method="spawn")  # fmt: skip
 
 
 def dp_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> None:

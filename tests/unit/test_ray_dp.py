@@ -7,26 +7,17 @@ be summed across ranks, for the two to agree.
 
 from __future__ import annotations
 
-import socket
-
 import torch
-import torch.multiprocessing as mp
 
 from gyre.algos import LOSS_AGGREGATIONS
 from gyre.policy import collate
 from gyre.update import GRPOSettings, policy_update
-from helpers import dp_batch, dp_rank
+from helpers import dp_batch, dp_rank, spawn_two_ranks
 
 
 def test_two_gloo_ranks_equal_one_process(tmp_path, make_tiny_model, tokenizer):
     model = make_tiny_model(seed=3)
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(dp_rank, args=(2, port, str(tmp_path), str(tmp_path / "m")),
-                       nprocs=2, join=True, start_method="spawn")  # fmt: skip
+    spawn_two_ranks(dp_rank, tmp_path, model, tokenizer)
     from gyre.model import load_pretrained
 
     for agg in LOSS_AGGREGATIONS:
