@@ -14,6 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -46,6 +47,18 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, first_obs: str) -> list[int]:
     ids = encode_obs(tokenizer, first_obs)
     bos = tokenizer.bos_token_id
     return ([bos] if bos is not None else []) + ids
+
+
+def _memo(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``fn`` with its results kept per argument (callers copy lists before changing them)."""
+    cache: dict[Any, Any] = {}
+
+    def get(key: Any) -> Any:
+        if key not in cache:
+            cache[key] = fn(key)
+        return cache[key]
+
+    return get
 
 
 def stop_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -101,16 +114,9 @@ def run_episodes(
     failed: set[int] = set()
     # Texts repeat across a group (the same first observation G times, the same answers):
     # encode / decode each distinct one once per rollout (a tokenizer call costs ~50 us).
-    enc_memo: dict[str, list[int]] = {}
-    dec_memo: dict[tuple[int, ...], str] = {}
-
-    def encode(text: str) -> list[int]:
-        got = enc_memo.get(text)
-        if got is None:
-            got = enc_memo[text] = encode_obs(tokenizer, text)
-        return list(got)
-
-    bos = tokenizer.bos_token_id
+    first_ids = _memo(lambda text: prompt_ids(tokenizer, text))
+    encode = _memo(lambda text: encode_obs(tokenizer, text))
+    decode = _memo(lambda key: tokenizer.decode(list(key), skip_special_tokens=True))
     for k, seed in enumerate(task_seeds):
         for j in range(group_size):
             i = k * group_size + j
@@ -120,9 +126,7 @@ def run_episodes(
                 infos[i] = _env_failure(i, int(seed), "reset")
                 failed.add(i)
                 first_obs = ""
-            # == prompt_ids(tokenizer, first_obs), memoised
-            first = ([bos] if bos is not None else []) + encode(first_obs)
-            first = first or [tokenizer.pad_token_id]
+            first = list(first_ids(first_obs)) or [tokenizer.pad_token_id]
             ids.append(first)
             mask.append([0] * len(first))
             lps.append([0.0] * len(first))
@@ -150,10 +154,7 @@ def run_episodes(
         lps[i].extend(out.logprobs)
         gen_tokens += len(out.token_ids)
         truncated[i] = out.finish_reason == "length"
-        key = tuple(out.token_ids)
-        text = dec_memo.get(key)
-        if text is None:
-            text = dec_memo[key] = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        text = decode(tuple(out.token_ids))
         turns[i] += 1
         try:
             obs, r, done, info = envs[i].step(text)
@@ -165,7 +166,7 @@ def run_episodes(
         infos[i] = info
         if done:
             return False
-        obs_ids = encode(obs)
+        obs_ids = encode(obs)  # only read (extended into the row), never changed
         ids[i].extend(obs_ids)
         mask[i].extend([0] * len(obs_ids))
         lps[i].extend([0.0] * len(obs_ids))
