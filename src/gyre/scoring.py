@@ -212,32 +212,63 @@ class TreePacked:
     loc_col: list[list[int]]  # ... and its column
 
 
+TREE_MAX_WIDTH = 2048
+"""A tree (shared prefix + its suffixes) is never wider than this many positions (or the longest
+row, if longer): the tree layout's attention mask is width x width per packed row."""
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _prefix_groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
     """Groups of rows sharing a prefix, as (members, shared prefix length).
 
-    Rows are sorted by their tokens, so rows sharing a prefix are adjacent; a row joins the
-    current group while that does not lower the positions the group saves,
-    (members - 1) x prefix length. A group of one has prefix length 0.
+    Rows are sorted by their tokens, so rows sharing a prefix are adjacent and the common
+    prefix of a run of sorted rows is the smallest common prefix of its neighbours. The runs
+    are chosen to save the most positions, sum over groups of (members - 1) x prefix length,
+    by dynamic programming over the sorted order (a group never grows wider than
+    ``TREE_MAX_WIDTH``). Greedy merging is not enough: a lone row followed by a group of G
+    rows sharing a 5-token prompt would otherwise pull the group into a tree that shares only
+    the first token. A group of one has prefix length 0.
     """
     order = sorted(range(len(rows)), key=lambda i: rows[i])
+    n = len(order)
+    if n == 0:
+        return []
+    lens = [len(rows[i]) for i in order]
+    cap = max(TREE_MAX_WIDTH, max(lens))
+    adj = [_lcp(rows[order[k - 1]], rows[order[k]]) for k in range(1, n)]  # adj[k-1]: k-1, k
+    best = [0] * (n + 1)  # best[i]: most positions saved by grouping the first i rows
+    cut = [0] * (n + 1)  # the last group of that best is order[cut[i]:i]
+    for i in range(1, n + 1):
+        best[i], cut[i] = best[i - 1], i - 1  # row i-1 alone
+        p = lens[i - 1]
+        total = lens[i - 1]  # sum of the lengths of rows j..i-1
+        for j in range(i - 2, -1, -1):  # group order[j:i]
+            p = min(p, adj[j])
+            if p == 0:
+                break
+            total += lens[j]
+            if total - (i - 1 - j) * p > cap:
+                break
+            gain = best[j] + (i - 1 - j) * p
+            if gain > best[i]:
+                best[i], cut[i] = gain, j
     groups: list[tuple[list[int], int]] = []
-    members: list[int] = []
-    lcp = 0
-    for i in order:
-        if members:
-            first = rows[members[0]]
-            n = 0
-            limit = min(lcp, len(rows[i]))
-            while n < limit and first[n] == rows[i][n]:
-                n += 1
-            if n >= 1 and len(members) * n >= (len(members) - 1) * lcp:
-                members.append(i)
-                lcp = n
-                continue
-            groups.append((members, lcp if len(members) > 1 else 0))
-        members, lcp = [i], len(rows[i])
-    if members:
-        groups.append((members, lcp if len(members) > 1 else 0))
+    i = n
+    while i > 0:
+        j = cut[i]
+        members = order[j:i]
+        if len(members) == 1:
+            groups.append((members, 0))
+        else:
+            groups.append((members, min(adj[j : i - 1])))
+        i = j
+    groups.reverse()
     return groups
 
 

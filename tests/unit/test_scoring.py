@@ -88,3 +88,29 @@ def test_packed_chunked_update_equals_plain(make_tiny_model, monkeypatch, micro)
     for a, b in zip(gp, gf, strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
     assert sum(float(g.abs().sum()) for g in gp) > 0
+
+
+def test_prefix_groups_keep_each_prompt_group_whole():
+    """A lone row sorted just before a group of rows sharing a 5-token prompt must not pull the
+    group into a tree that shares only the first token (the greedy grouping did); two prompt
+    groups sharing only their first tokens stay two trees."""
+    from gyre.scoring import _prefix_groups
+
+    lone = [1, 2, 9, 9, 9, 9]
+    group_a = [[1, 3, 4, 5, 6, 10 + k, 20] for k in range(8)]
+    group_b = [[1, 3, 4, 7, 7, 30 + k] for k in range(8)]
+    rows = [lone, *group_a, *group_b]
+    groups = sorted((sorted(m), p) for m, p in _prefix_groups(rows))
+    assert groups == [([0], 0), (list(range(1, 9)), 5), (list(range(9, 17)), 5)]
+    # every row is in exactly one group, and the prefix really is shared
+    for members, p in groups:
+        assert len({tuple(rows[i][:p]) for i in members}) == 1
+
+
+def test_prefix_groups_respect_the_width_cap(monkeypatch):
+    import gyre.scoring as sc
+
+    monkeypatch.setattr(sc, "TREE_MAX_WIDTH", 20)
+    rows = [[1, 2, 3, 4] + [5 + k] * 6 for k in range(8)]  # 8 rows of 10, prefix 4
+    for members, p in sc._prefix_groups(rows):
+        assert p + sum(len(rows[i]) - p for i in members) <= 20
