@@ -54,22 +54,30 @@ class TokenBatch:
 
 def collate(trajs: list[Trajectory], pad_token_id: int, device: torch.device) -> TokenBatch:
     T = max(len(t.token_ids) for t in trajs)
-    B = len(trajs)
-    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    lmask = torch.zeros((B, T), dtype=torch.float32)
-    rlp = torch.zeros((B, T), dtype=torch.float32)
+    # Built as padded Python lists, one tensor per field (per-row tensor writes cost more than
+    # the whole list work for batches of short rows).
+    ids: list[list[int]] = []
+    lmask: list[list[float]] = []
+    rlp: list[list[float]] = []
+    lengths: list[int] = []
     for i, t in enumerate(trajs):
         n = len(t.token_ids)
         if not (len(t.loss_mask) == len(t.rollout_logprobs) == n):
             raise ValueError(
                 f"trajectory {i}: token_ids, loss_mask, rollout_logprobs differ in length"
             )
-        ids[i, :n] = torch.tensor(t.token_ids)
-        attn[i, :n] = 1
-        lmask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
-        rlp[i, :n] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
-    return TokenBatch(ids.to(device), attn.to(device), lmask.to(device), rlp.to(device))
+        pad = T - n
+        ids.append([*t.token_ids, *([pad_token_id] * pad)])
+        lmask.append([*map(float, t.loss_mask), *([0.0] * pad)])
+        rlp.append([*map(float, t.rollout_logprobs), *([0.0] * pad)])
+        lengths.append(n)
+    attn = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return TokenBatch(
+        torch.tensor(ids, dtype=torch.long, device=device),
+        attn.to(device),
+        torch.tensor(lmask, dtype=torch.float32, device=device),
+        torch.tensor(rlp, dtype=torch.float32, device=device),
+    )
 
 
 def token_logprobs(

@@ -172,7 +172,9 @@ class TorchEngine:
     ``GYRE_COMPACTION=0``) to measure what each buys. Results never depend on any of them.
     ``compile_decode`` (or ``GYRE_COMPILE_DECODE=1``) runs the decode step through
     ``torch.compile``; ``admit_ratio`` sets how many requests must wait (relative to running
-    rows) before a mid-decode admission prefill is worth its forward call. ``lean_forward``
+    rows) before a mid-decode admission prefill is worth its forward call; ``compact_min`` is
+    the fraction of finished rows at which compaction gathers the live rows (0: every step a
+    row finishes). ``lean_forward``
     (default on; ``GYRE_LEAN=0`` turns it off) runs Llama-family models through
     :class:`gyre.lean.LeanForward`, falling back to the HF forward for anything else.
     """
@@ -188,9 +190,13 @@ class TorchEngine:
         admit_ratio: float = 0.5,
         compile_decode: bool | None = None,
         lean_forward: bool = True,
+        compact_min: float = 0.25,
     ) -> None:
         if max_batch_size < 0:
             raise ValueError(f"max_batch_size must be >= 0 (0 = unbounded), got {max_batch_size}")
+        if not 0.0 <= compact_min <= 1.0:
+            raise ValueError(f"compact_min must be in [0, 1], got {compact_min}")
+        self.compact_min = compact_min
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
@@ -386,7 +392,14 @@ class TorchEngine:
                 if not keep:
                     batch = None
                     continue
-                if len(keep) != len(batch.rows):
+                # Dropping rows is a gather of every kept row's cache; it pays once enough
+                # rows are done (a done row left in place costs one masked column a step), or
+                # at once when waiting requests need the slots.
+                done = len(batch.rows) - len(keep)
+                if done and (
+                    done >= self.compact_min * len(batch.rows)
+                    or (waiting and len(batch.rows) >= limit)
+                ):
                     batch.select(keep)
             elif all(row.done for row in batch.rows):
                 batch = None
