@@ -54,6 +54,10 @@ def lean_env_enabled() -> bool:
     return raw not in ("0", "false", "no", "off")
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why :class:`LeanForward` cannot run ``model`` exactly, or None when it can."""
     if hasattr(model, "peft_config"):
@@ -283,12 +287,9 @@ class LeanForward:
         # Fused Q/K/V and gate/up weights pay without autograd (cached); under autograd the
         # cat and its backward (a zero-filled slice per weight) cost more than they save.
         fuse = not (torch.is_grad_enabled() and inner.embed_tokens.weight.requires_grad)
-        shared_attn = os.environ.get("GYRE_SHARED_ATTN", "1").strip().lower() not in (
-            "0",
-            "false",
-            "no",
-            "off",
-        )
+        shared_attn = _flag("GYRE_SHARED_ATTN")
+        if cache is not None and not (decode and shared_attn):
+            ungroup_cache(cache)  # the grouped layout serves one-token, non-GQA decode only
         for li, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, self.eps)
@@ -309,10 +310,13 @@ class LeanForward:
                 ).transpose(1, 2)
                 v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(B, C, nkv, hd)
                 v = v.transpose(1, 2)
-            if cache is not None:
+            group = getattr(cache.layers[li], "_gyre_group", None) if decode else None
+            if group is None and cache is not None:
                 k, v = _append_kv(cache.layers[li], k, v)
             pre = getattr(cache.layers[li], "_gyre_prefix", None) if decode else None
-            if pre is not None and shared_attn and pre.src.shape[0] == B:
+            if group is not None:  # a fresh batch of forked groups (appends in attend)
+                o = group.attend(q, k, v, mask, self.scaling)
+            elif pre is not None and shared_attn and pre.src.shape[0] == B:
                 o = _shared_prefix_attention(q, k, v, mask, pre, self.scaling)
             elif decode:
                 # one query per row: two strided bmm on the cache views, no copy of the cache
@@ -413,12 +417,22 @@ def select_kv_rows(layer: Any, idx: torch.Tensor, fork_min: int = SHARED_PREFIX_
     ``fork_min`` columns records the pre-fork rows as a shared prefix (:class:`_Prefix`), which
     decode attention then reads once per group instead of once per row.
     """
+    if getattr(layer, "_gyre_group", None) is not None and not _repeats(idx):
+        ungroup(layer, idx)  # the kept rows, written once in the per-row layout
+        return
+    ungroup(layer)
     buf = getattr(layer, "_gyre_buf", None)
     keys = layer.keys
     own = buf is not None and keys.data_ptr() == buf[0].data_ptr()
     if own and keys.stride() == buf[0].stride():
         L = keys.shape[2]
         pre = getattr(layer, "_gyre_prefix", None)
+        G = _regular_fork(idx, keys.shape[0]) if pre is None and _flag("GYRE_SHARED_ATTN") else 0
+        if G:
+            layer._gyre_group = _Group.fork(keys, layer.values, G)
+            layer._gyre_prefix = None
+            layer.keys = layer.values = None  # stale while grouped: ungroup() restores them
+            return
         if pre is not None:
             pre = _Prefix(pre.keys, pre.values, _select_src(pre.src, idx), pre.length)
         elif L >= fork_min and idx.numel() > keys.shape[0]:
@@ -491,3 +505,170 @@ def _shared_prefix_attention(
     vs = v[:, :, L0:].reshape(B * H, K - L0, D)
     os_ = torch.bmm(p[..., L0:].reshape(B * H, 1, K - L0), vs).view(B, H, D)
     return (op + os_).view(B, 1, H * D)
+
+
+def _repeats(idx: torch.Tensor) -> bool:
+    """Whether ``idx`` names some row more than once (a fork rather than a selection)."""
+    return idx.numel() > 1 and bool((idx.sort().values.diff() == 0).any())
+
+
+def _regular_fork(idx: torch.Tensor, rows: int) -> int:
+    """G when ``idx`` forks each of ``rows`` rows G >= 2 times in order (0, .., 0, 1, .., 1,
+    ...), as the engine's prefix sharing does for a fresh batch of groups; else 0."""
+    n = idx.numel()
+    if rows < 1 or n % rows or n // rows < 2:
+        return 0
+    G = n // rows
+    want = torch.arange(rows, device=idx.device).repeat_interleave(G)
+    return G if torch.equal(idx, want) else 0
+
+
+class _Group:
+    """Decode cache of B = U x G rows forked from U prompts, G rows each, in group order.
+
+    A group's keys (values alike) live in one buffer row ``(H, L0 + G x cap, D)``: the prompt
+    once (columns ``[0, L0)``), then the rows' own tokens step-major (column
+    ``L0 + t x G + g`` is row g's token t), so one decode step appends one contiguous block
+    per group and the keys visible at step t are a contiguous prefix of the buffer. Decode
+    attention is then one batched matmul per group and head for scores and one for values,
+    over the prompt and every row's own columns, with a fixed mask that lets row g see the
+    prompt (its real columns) and its own columns only: the same softmax as per-row attention
+    (masked terms are exactly 0), with no per-row copy of the prompt (the fork copies nothing
+    but the prompt, once) and a handful of ops instead of per-row gathers.
+
+    Anything but a one-token decode step (compaction, a snapshot, merging an admission, a
+    prefill chunk, the Hugging Face forward) first calls :func:`ungroup`, which writes the
+    standard per-row layout back (and keeps the prompt as a shared prefix).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, prefix: int, G: int) -> None:
+        self.keys, self.values = keys, values  # (U, H, L0 + G * cap, D)
+        self.prefix, self.G, self.steps = prefix, G, 0
+        self.mask: torch.Tensor | None = None  # (U, H, G, width) additive, built at 1st step
+
+    @classmethod
+    def fork(cls, keys: torch.Tensor, values: torch.Tensor, G: int, cap: int = 16) -> _Group:
+        U, H, L0, D = keys.shape
+        gk = keys.new_empty(U, H, L0 + G * cap, D)
+        gv = values.new_empty(U, H, L0 + G * cap, D)
+        gk[:, :, :L0].copy_(keys)
+        gv[:, :, :L0].copy_(values)
+        return cls(gk, gv, L0, G)
+
+    @property
+    def capacity(self) -> int:
+        return (self.keys.shape[2] - self.prefix) // self.G
+
+    def _grow(self) -> None:
+        U, H, _, D = self.keys.shape
+        used = self.prefix + self.G * self.steps
+        width = self.prefix + self.G * 2 * max(self.capacity, 8)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(U, H, width, D)
+            new[:, :, :used].copy_(old[:, :, :used])
+            setattr(self, name, new)
+        if self.mask is not None:
+            self.mask = self._build_mask(self.mask[:, 0, 0, : self.prefix])
+
+    def _build_mask(self, prefix_mask: torch.Tensor) -> torch.Tensor:
+        """(U, H, G, width) additive mask from the prompt's (U, L0) additive mask."""
+        U, H, width, _ = self.keys.shape
+        G, L0 = self.G, self.prefix
+        cap = (width - L0) // G
+        own = torch.eye(G, dtype=torch.bool, device=self.keys.device).repeat(1, cap)  # (G, G*cap)
+        neg = torch.finfo(prefix_mask.dtype).min
+        own_add = torch.where(own, 0.0, neg).to(prefix_mask.dtype)
+        m = torch.empty(U, G, width, dtype=prefix_mask.dtype, device=prefix_mask.device)
+        m[:, :, :L0] = prefix_mask[:, None, :]
+        m[:, :, L0:] = own_add[None]
+        return m[:, None].expand(U, H, G, width).contiguous()
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Append this step's (B, H, 1, D) keys/values, attend (B, H, 1, D) queries; returns
+        (B, 1, H*D). ``mask`` is the engine's (B, 1, 1, K) additive mask (its prompt columns
+        give each group's prompt padding, read once)."""
+        B, H, _, D = q.shape
+        G, L0 = self.G, self.prefix
+        U = B // G
+        if self.steps >= self.capacity:
+            self._grow()
+        if self.mask is None:
+            self.mask = self._build_mask(mask[::G, 0, 0, :L0])
+        c = L0 + self.steps * G
+        self.keys[:, :, c : c + G].copy_(k.reshape(U, G, H, D).transpose(1, 2))
+        self.values[:, :, c : c + G].copy_(v.reshape(U, G, H, D).transpose(1, 2))
+        self.steps += 1
+        K = c + G
+        width = self.keys.shape[2]
+        qg = q.reshape(U, G, H, D).transpose(1, 2).reshape(U * H, G, D)
+        keys = self.keys.view(U * H, width, D)[:, :K]
+        s = torch.baddbmm(
+            self.mask.view(U * H, G, width)[:, :, :K], qg, keys.transpose(1, 2), alpha=scale
+        )
+        o = torch.bmm(s.softmax(-1), self.values.view(U * H, width, D)[:, :K])
+        return o.view(U, H, G, D).transpose(1, 2).reshape(B, 1, H * D)
+
+    def standard(
+        self, steps: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(buffer keys, buffer values, keys view, values view) in the per-row layout after
+        ``steps`` decode steps (default: all so far): row u*G + g holds the prompt of group
+        u, then its own tokens. The group's written columns never change, so an earlier
+        ``steps`` gives the cache as it was then."""
+        return self.rows(torch.arange(self.keys.shape[0] * self.G), steps)
+
+    def rows(
+        self, idx: torch.Tensor, steps: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`standard` of rows ``idx`` only (compaction keeps the live rows: one gather)."""
+        U, H, _, D = self.keys.shape
+        G, L0 = self.G, self.prefix
+        t = self.steps if steps is None else steps
+        L = L0 + t
+        idx = idx.to(self.keys.device)
+        grp, slot = idx // G, idx % G
+        cap = max(2 * L, L + 16)
+        out = []
+        for g in (self.keys, self.values):
+            buf = g.new_empty(idx.numel(), H, cap, D)
+            buf[:, :, :L0].copy_(g[:, :, :L0].index_select(0, grp))
+            own = g[:, :, L0 : L0 + t * G].reshape(U, H, t, G, D)
+            buf[:, :, L0:L].copy_(own[grp, :, :, slot])  # (n, H, t, D)
+            out.append(buf)
+        return out[0], out[1], out[0][:, :, :L], out[1][:, :, :L]
+
+
+def ungroup(layer: Any, idx: torch.Tensor | None = None) -> None:
+    """Write a grouped layer (:class:`_Group`) back to the per-row layout -- only rows ``idx``
+    when given (a compaction) -- keeping the prompt as a shared prefix for decode attention
+    when it is long enough; no-op for a layer that is not grouped."""
+    group = getattr(layer, "_gyre_group", None)
+    if group is None:
+        return
+    if idx is None:
+        idx = torch.arange(group.keys.shape[0] * group.G, device=group.keys.device)
+    bk, bv, keys, values = group.rows(idx)
+    layer._gyre_group = None
+    layer._gyre_buf = (bk, bv)
+    layer.keys, layer.values = keys, values
+    L0 = group.prefix
+    if L0 >= SHARED_PREFIX_MIN:
+        src = idx.to(bk.device) // group.G
+        layer._gyre_prefix = _Prefix(group.keys[:, :, :L0], group.values[:, :, :L0], src, L0)
+    else:
+        layer._gyre_prefix = None
+
+
+def ungroup_cache(cache: Any) -> None:
+    """:func:`ungroup` every layer of a DynamicCache."""
+    for layer in cache.layers:
+        if getattr(layer, "_gyre_group", None) is not None:
+            ungroup(layer)

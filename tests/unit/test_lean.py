@@ -340,13 +340,26 @@ def test_shared_prefix_decode_attention_equals_per_row(tokenizer, make_tiny_mode
         return real(*a, **k)
 
     monkeypatch.setattr(lean_mod, "_shared_prefix_attention", spy)
+    real_attend = lean_mod._Group.attend
+
+    def spy_attend(*a, **k):
+        calls.append(2)
+        return real_attend(*a, **k)
+
+    monkeypatch.setattr(lean_mod._Group, "attend", spy_attend)
     outs = {}
     for name, env, lean in (("shared", "1", True), ("per_row", "0", True), ("hf", "1", False)):
         monkeypatch.setenv("GYRE_SHARED_ATTN", env)
         n = len(calls)
-        engine = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, lean_forward=lean)
+        engine = TorchEngine(
+            copy.deepcopy(model), tokenizer.pad_token_id, lean_forward=lean, compact_min=0.0
+        )
         outs[name] = engine.generate(reqs, params)
         assert (len(calls) > n) == (name == "shared")
+        if name == "shared":
+            # grouped decode of the fresh groups, then (compaction un-groups the cache) the
+            # per-group prefix attention over the per-row layout
+            assert set(calls[n:]) == {1, 2}, sorted(set(calls[n:]))
     assert len({len(c.token_ids) for c in outs["shared"]}) > 1, "want rows stopping early"
     for other in ("per_row", "hf"):
         for a, b in zip(outs["shared"], outs[other], strict=True):
@@ -366,3 +379,63 @@ def test_lora_injected_after_build_falls_back():
     )
     assert lean_for(wrapped) is None
     assert lean_for(model) is None  # the base model now holds LoRA layers
+
+
+def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model, monkeypatch):
+    """Forked groups decode in the grouped layout; rows finishing park their session from a
+    lazily written snapshot, compaction writes the live rows back to the per-row layout, and
+    follow-up turns continue the parked caches: every completion equals the HF-forward engine
+    generating that prompt alone."""
+    import gyre.engines.torch_engine as te
+    import gyre.lean as lean_mod
+
+    model = make_tiny_model(seed=22, sharp=True)
+    texts = ["#.A..\n#####\nu3l1>", "12-3=456+"]
+    prompts = [
+        [tokenizer.bos_token_id, *tokenizer.encode(t, add_special_tokens=False)] for t in texts
+    ]
+    G = 4
+    used = {"attend": 0, "snapshot_written": 0}
+    real_attend, real_mat = lean_mod._Group.attend, te._Snapshot._materialize
+
+    def attend(*a, **k):
+        used["attend"] += 1
+        return real_attend(*a, **k)
+
+    def materialize(self):
+        used["snapshot_written"] += self._groups is not None
+        return real_mat(self)
+
+    monkeypatch.setattr(lean_mod._Group, "attend", attend)
+    monkeypatch.setattr(te._Snapshot, "_materialize", materialize)
+    params = SamplingParams(1.0, 1.0, 6, tuple(tokenizer.encode("1.", add_special_tokens=False)))
+    obs = tokenizer.encode("\n#.>", add_special_tokens=False)
+    n = len(prompts) * G
+    full = {i: list(prompts[i // G]) for i in range(n)}
+    episode_of, turn = list(range(n)), dict.fromkeys(range(n), 0)
+    log: list[tuple[int, list[int], object]] = []
+
+    def on_complete(index, comp):
+        i = episode_of[index]
+        log.append((i, list(full[i]), comp))
+        full[i] += comp.token_ids
+        turn[i] += 1
+        if turn[i] == 2:
+            return None
+        full[i] += obs
+        episode_of.append(i)
+        return GenerationRequest(list(full[i]), session=("g", i), seed=100 * i + turn[i])
+
+    engine = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, compact_min=0.0)
+    first = [GenerationRequest(list(full[i]), session=("g", i), seed=100 * i) for i in range(n)]
+    engine.generate_continuous(first, params, on_complete)
+    assert used["attend"] > 0 and used["snapshot_written"] > 0, used
+    assert len(log) == 2 * n
+    plain = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, lean_forward=False)
+    for i, prompt, comp in log:
+        seed = 100 * i + (len(prompt) > len(prompts[i // G]))
+        alone = plain.generate([GenerationRequest(prompt, seed=seed)], params)[0]
+        assert comp.token_ids == alone.token_ids
+        torch.testing.assert_close(
+            torch.tensor(comp.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=1e-5
+        )

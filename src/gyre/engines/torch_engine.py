@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -47,7 +48,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from gyre.lean import LeanForward, lean_for, select_kv_rows
+from gyre.lean import LeanForward, lean_for, select_kv_rows, ungroup_cache
 from gyre.sampling import sample_tokens_keyed, sampling_logprobs
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
@@ -73,14 +74,42 @@ def _new_cache(model: torch.nn.Module) -> DynamicCache:
     return cache
 
 
-@dataclass
 class _Snapshot:
     """The cache tensors of a batch at one step. Cache tensors are never written in place (every
-    append, gather or merge makes new ones), so holding references is a free, immutable copy."""
+    append, gather or merge makes new ones; the lean forward's buffers only ever write columns
+    past the ones any view holds), so holding references is a free, immutable copy. Layers in
+    the lean forward's grouped decode layout are held as (group, steps) and written out in the
+    per-row layout only when a parked session is continued (most never are: a finished
+    single-turn episode is released at once)."""
 
-    keys: list[torch.Tensor]  # per layer (B, H, L, D)
-    values: list[torch.Tensor]
-    colmask: torch.Tensor  # (B, L)
+    def __init__(
+        self,
+        keys: list[torch.Tensor | None],
+        values: list[torch.Tensor | None],
+        colmask: torch.Tensor,
+        groups: list[tuple[Any, int] | None] | None = None,
+    ) -> None:
+        self._keys, self._values, self.colmask = keys, values, colmask  # (B, H, L, D), (B, L)
+        self._groups = groups
+
+    def _materialize(self) -> None:
+        if self._groups is None:
+            return
+        for li, held in enumerate(self._groups):
+            if held is not None:
+                group, steps = held
+                _, _, self._keys[li], self._values[li] = group.standard(steps)
+        self._groups = None
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        self._materialize()
+        return self._keys  # type: ignore[return-value]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        self._materialize()
+        return self._values  # type: ignore[return-value]
 
 
 @dataclass
@@ -125,14 +154,27 @@ class _Batch:
         self.logits = self.logits.index_select(0, idx)
         self.rows = [self.rows[i] for i in keep]
 
+    def plain(self) -> None:
+        """Per-row cache layout in every layer (the lean forward's grouped decode layout serves
+        one-token decode steps only; everything else here reads per-row keys/values)."""
+        ungroup_cache(self.cache)
+
     def snapshot(self) -> _Snapshot:
         layers = self._layers()
-        return _Snapshot([la.keys for la in layers], [la.values for la in layers], self.colmask)
+        held = [getattr(la, "_gyre_group", None) for la in layers]
+        groups = [None if g is None else (g, g.steps) for g in held]
+        return _Snapshot(
+            [la.keys for la in layers],
+            [la.values for la in layers],
+            self.colmask,
+            groups if any(g is not None for g in held) else None,
+        )
 
     def widen(self, width: int) -> None:
         extra = width - self.colmask.shape[1]
         if extra <= 0:
             return
+        self.plain()
         for layer in self._layers():
             if layer.is_initialized:
                 layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
@@ -142,6 +184,8 @@ class _Batch:
     def merge(self, other: _Batch) -> None:
         """Append ``other``'s rows (the narrower one gets masked columns on the right)."""
         width = max(self.colmask.shape[1], other.colmask.shape[1])
+        self.plain()
+        other.plain()
         self.widen(width)
         other.widen(width)
         for a, b in zip(self._layers(), other._layers(), strict=True):
@@ -153,6 +197,7 @@ class _Batch:
 
     def defrag(self) -> None:
         """Move every row's real columns to the left and drop the all-hole tail."""
+        self.plain()
         counts = self.colmask.sum(dim=1)
         width = int(counts.max())
         order = torch.sort(self.colmask, dim=1, descending=True, stable=True).indices[:, :width]
@@ -368,7 +413,8 @@ class TorchEngine:
             self._sample(batch, pending, params, stop)
             finished = [i for i in pending if batch.rows[i].done]
             follow: list[GenerationRequest] = []
-            snap = batch.snapshot() if finished else None
+            parks = any(batch.rows[i].session is not None for i in finished)
+            snap = batch.snapshot() if parks else None
             for i in finished:
                 row = batch.rows[i]
                 if row.session is not None:
@@ -577,6 +623,7 @@ class TorchEngine:
             last = hidden[:, 0] if C == 1 else hidden[keep.to(self.device)]
             logits = lean.logits(last)
         else:
+            batch.plain()
             forward = self._decode_model() if C == 1 else self.model
             logits = forward(
                 input_ids=ids,
