@@ -599,15 +599,21 @@ class TorchEngine:
         pos_l: list[list[int]] = []
         keep_l: list[int] = []
         pad = self.pad_token_id
-        for i, c in enumerate(chunk):
-            fed = batch.rows[i].fed
-            n, start = len(c), len(fed)
-            last = start + max(n - 1, 0)
-            ids_l.append([*c, *([pad] * (C - n))])
-            mask_l.append([1] * n + [0] * (C - n))
-            pos_l.append([*range(start, start + n), *([last] * (C - n))])
-            keep_l.append(max(n - 1, 0))
-            fed.extend(c)
+        if C == 1 and all(chunk):  # a decode step of live rows: one token each
+            for c, row in zip(chunk, batch.rows, strict=True):
+                pos_l.append([len(row.fed)])
+                row.fed.append(c[0])
+            ids_l, mask_l = chunk, [[1]] * B
+        else:
+            for i, c in enumerate(chunk):
+                fed = batch.rows[i].fed
+                n, start = len(c), len(fed)
+                last = start + max(n - 1, 0)
+                ids_l.append([*c, *([pad] * (C - n))])
+                mask_l.append([1] * n + [0] * (C - n))
+                pos_l.append([*range(start, start + n), *([last] * (C - n))])
+                keep_l.append(max(n - 1, 0))
+                fed.extend(c)
         ids = torch.tensor(ids_l, dtype=torch.long)
         mask = torch.tensor(mask_l, dtype=torch.long)
         pos = torch.tensor(pos_l, dtype=torch.long)
