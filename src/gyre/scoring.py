@@ -250,7 +250,7 @@ def _prefix_groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
         total = lens[i - 1]  # sum of the lengths of rows j..i-1
         for j in range(i - 2, -1, -1):  # group order[j:i]
             p = min(p, adj[j])
-            if p == 0:
+            if p < 2:  # sharing one token (a BOS) saves next to nothing: stop widening
                 break
             total += lens[j]
             if total - (i - 1 - j) * p > cap:
