@@ -246,6 +246,16 @@ class TrainConfig(_Section):
         64, gt=0, description="Trajectories per forward/backward (gradient accumulation)."
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    lean_forward: bool = Field(
+        True,
+        description="Trainer scoring through the lean forward for Llama/Mistral/Qwen2 "
+        "(gyre.lean); false = the HF forward (GYRE_LEAN=0 turns it off everywhere).",
+    )
+    share_prefix: bool = Field(
+        True,
+        description="Tree-pack rows sharing a prefix (a group's prompt) so it is computed once "
+        "in forward and backward; needs lean_forward (docs/performance.md).",
+    )
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig, description="Rollout sampling parameters."
     )

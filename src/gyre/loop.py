@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gyre import scoring
 from gyre.checkpoint import load_into, write_file_atomically, write_model_dir
 from gyre.config import Config, dump_config, resolve_run_dir
 from gyre.critic import ValueModel
@@ -78,6 +79,7 @@ def setup(cfg: Config, fresh_check: bool = False) -> tuple[Path, torch.device]:
         Checkpointer(cfg, run_dir).check_fresh()
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.run.threads or os.cpu_count() or 1)
+    scoring.configure(cfg.train.lean_forward, cfg.train.share_prefix)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed % 2**32)
     torch.manual_seed(cfg.run.seed)

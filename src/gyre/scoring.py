@@ -48,9 +48,20 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from e
 
 
+_CONFIGURED: dict[str, bool] = {}
+
+
+def configure(lean: bool = True, share_prefix: bool = True) -> None:
+    """Process-wide scoring defaults from the run config (``train.lean_forward``,
+    ``train.share_prefix``); the env vars (``GYRE_LEAN=0``, ``GYRE_SHARE_PREFIX=0``) still
+    turn a path off."""
+    _CONFIGURED.update(lean=lean, share_prefix=share_prefix)
+
+
 @dataclass
 class ScoringOptions:
-    """How :func:`gyre.policy.token_logprobs` scores a batch (defaults read from the env)."""
+    """How :func:`gyre.policy.token_logprobs` scores a batch (defaults: the run config via
+    :func:`configure`, then the env)."""
 
     pack: bool = True
     chunk: int = 1024  # positions per LM-head / log-softmax chunk; 0 = all at once
@@ -62,8 +73,9 @@ class ScoringOptions:
         return cls(
             pack=_env_int("GYRE_PACK", 1) != 0,
             chunk=max(0, _env_int("GYRE_LOGPROB_CHUNK", 1024)),
-            lean=_env_int("GYRE_LEAN", 1) != 0,
-            share_prefix=_env_int("GYRE_SHARE_PREFIX", 1) != 0,
+            lean=_env_int("GYRE_LEAN", 1) != 0 and _CONFIGURED.get("lean", True),
+            share_prefix=_env_int("GYRE_SHARE_PREFIX", 1) != 0
+            and _CONFIGURED.get("share_prefix", True),
         )
 
 

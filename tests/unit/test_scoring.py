@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from gyre.policy import collate, token_logprobs
+from gyre.policy import TokenBatch, collate, token_logprobs
 from gyre.scoring import PACK_MIN_SAVING, ScoringOptions, pack_rows
 from gyre.trainer import GRPOSettings, grpo_update
 from gyre.types import Trajectory
@@ -114,3 +114,33 @@ def test_prefix_groups_respect_the_width_cap(monkeypatch):
     rows = [[1, 2, 3, 4] + [5 + k] * 6 for k in range(8)]  # 8 rows of 10, prefix 4
     for members, p in sc._prefix_groups(rows):
         assert p + sum(len(rows[i]) - p for i in members) <= 20
+
+
+def test_config_keys_switch_trainer_scoring_paths(monkeypatch, make_tiny_model):
+    """train.lean_forward / train.share_prefix reach the trainer's scoring (scoring.configure,
+    called by the loop and the Ray actors); GYRE_LEAN=0 still wins over the config."""
+    import gyre.lean as lean_mod
+    import gyre.scoring as sc
+    from gyre.config import Config
+
+    monkeypatch.setattr(sc, "_CONFIGURED", {})
+    cfg = Config.model_validate({"train": {"lean_forward": False, "share_prefix": False}})
+    sc.configure(cfg.train.lean_forward, cfg.train.share_prefix)
+    opts = ScoringOptions.from_env()
+    assert not opts.lean and not opts.share_prefix
+    model = make_tiny_model(seed=3)
+    batch_ids = torch.randint(3, model.config.vocab_size, (4, 9))
+    calls = []
+    real = lean_mod.LeanForward.hidden
+    monkeypatch.setattr(
+        lean_mod.LeanForward, "hidden", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    attn = torch.ones_like(batch_ids)
+    tb = TokenBatch(batch_ids, attn, attn.float(), torch.zeros(4, 9))
+    token_logprobs(model, tb)
+    assert not calls  # the HF forward scored the batch
+    sc.configure(True, True)
+    token_logprobs(model, tb)
+    assert calls
+    monkeypatch.setenv("GYRE_LEAN", "0")
+    assert not ScoringOptions.from_env().lean

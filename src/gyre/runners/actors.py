@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gyre import scoring
 from gyre.checkpoint import load_checkpoint_state
 from gyre.config import Config
 from gyre.distributed import (
@@ -45,6 +46,7 @@ def _role_device(cfg: Config, num_gpus: float) -> torch.device:
 
 def _quiet_threads(cfg: Config, num_cpus: float) -> None:
     torch.set_num_threads(cfg.run.threads or max(1, int(num_cpus)))
+    scoring.configure(cfg.train.lean_forward, cfg.train.share_prefix)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
