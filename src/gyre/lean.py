@@ -695,7 +695,9 @@ def ungroup(layer: Any, idx: torch.Tensor | None = None) -> None:
     L0 = group.prefix
     if L0 >= SHARED_PREFIX_MIN:
         src = idx.to(bk.device) // group.G
-        layer._gyre_prefix = _Prefix(group.keys[:, :, :L0], group.values[:, :, :L0], src, L0)
+        # copies of the prompt columns, so the group's (much wider) buffers can be freed
+        pk, pv = group.keys[:, :, :L0].clone(), group.values[:, :, :L0].clone()
+        layer._gyre_prefix = _Prefix(pk, pv, src, L0)
     else:
         layer._gyre_prefix = None
 
