@@ -439,3 +439,35 @@ def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model,
         torch.testing.assert_close(
             torch.tensor(comp.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=1e-5
         )
+
+
+def test_grouped_decode_switches_to_rows_after_max_steps(tokenizer, make_tiny_model, monkeypatch):
+    """Past GROUP_MAX_STEPS decode steps a grouped cache is written back to the per-row layout
+    mid-decode; tokens and log-probs stay those of per-row attention."""
+    import gyre.lean as lean_mod
+
+    model = make_tiny_model(seed=23, sharp=True)
+    texts = ["#.A..\n#####\nu3l1>", "12-3=456+"]
+    prompts = [
+        [tokenizer.bos_token_id, *tokenizer.encode(t, add_special_tokens=False)] for t in texts
+    ]
+    reqs = [GenerationRequest(p, seed=10 * k + j) for k, p in enumerate(prompts) for j in range(4)]
+    params = SamplingParams(1.0, 1.0, 10, ())
+    monkeypatch.setattr(lean_mod, "GROUP_MAX_STEPS", 3)
+    steps = []
+    real = lean_mod._Group.attend
+
+    def attend(self, *a, **k):
+        steps.append(self.steps)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(lean_mod._Group, "attend", attend)
+    grouped = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id).generate(reqs, params)
+    assert steps and max(steps) == 2  # steps 0, 1, 2 grouped, then per-row
+    monkeypatch.setenv("GYRE_SHARED_ATTN", "0")
+    rows = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id).generate(reqs, params)
+    for a, b in zip(grouped, rows, strict=True):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 10
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5
+        )

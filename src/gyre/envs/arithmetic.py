@@ -6,9 +6,20 @@ wrote equals the true result (whitespace ignored), else 0.0. The episode always 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
+
+
+@functools.lru_cache(maxsize=4096)
+def _task(seed: int, max_operand: int, ops: str) -> tuple[int, str, int]:
+    """The task of ``seed`` (a pure function of it; cached: a GRPO group resets G envs with
+    the same seed, and a numpy generator costs more to build than the rest of a step's env
+    work)."""
+    rng = np.random.default_rng(seed)
+    a, b = (int(x) for x in rng.integers(0, max_operand + 1, size=2))
+    return a, ops[int(rng.integers(len(ops)))], b
 
 
 class ArithmeticEnv:
@@ -22,9 +33,7 @@ class ArithmeticEnv:
         self.done = True
 
     def reset(self, seed: int) -> str:
-        rng = np.random.default_rng(seed)
-        a, b = (int(x) for x in rng.integers(0, self.max_operand + 1, size=2))
-        op = self.ops[int(rng.integers(len(self.ops)))]
+        a, op, b = _task(seed, self.max_operand, self.ops)
         self.answer = a + b if op == "+" else a - b if op == "-" else a * b
         self.done = False
         return f"{a}{op}{b}="
