@@ -30,7 +30,9 @@ attention.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -460,9 +462,12 @@ def select_kv_rows(layer: Any, idx: torch.Tensor, fork_min: int = SHARED_PREFIX_
     if own and keys.stride() == buf[0].stride():
         L = keys.shape[2]
         pre = getattr(layer, "_gyre_prefix", None)
-        G = _regular_fork(idx, keys.shape[0]) if pre is None and _flag("GYRE_SHARED_ATTN") else 0
+        G = _fork_groups(idx) if pre is None and _flag("GYRE_SHARED_ATTN") else 0
         if G:
-            layer._gyre_group = _Group.fork(keys, layer.values, G)
+            heads = idx[::G]  # the source row of each group of G forked rows
+            layer._gyre_group = _Group.fork(
+                keys.index_select(0, heads), layer.values.index_select(0, heads), G
+            )
             layer._gyre_prefix = None
             layer.keys = layer.values = None  # stale while grouped: ungroup() restores them
             return
@@ -545,15 +550,17 @@ def _repeats(idx: torch.Tensor) -> bool:
     return idx.numel() > 1 and bool((idx.sort().values.diff() == 0).any())
 
 
-def _regular_fork(idx: torch.Tensor, rows: int) -> int:
-    """G when ``idx`` forks each of ``rows`` rows G >= 2 times in order (0, .., 0, 1, .., 1,
-    ...), as the engine's prefix sharing does for a fresh batch of groups; else 0."""
+def _fork_groups(idx: torch.Tensor) -> int:
+    """G >= 2 when ``idx`` is a fork into consecutive groups of G equal rows (a prompt asked
+    k x G times, e.g. a task drawn twice, makes k groups of the same source); else 0."""
     n = idx.numel()
-    if rows < 1 or n % rows or n // rows < 2:
+    if n < 2:
         return 0
-    G = n // rows
-    want = torch.arange(rows, device=idx.device).repeat_interleave(G)
-    return G if torch.equal(idx, want) else 0
+    starts = torch.ones(n, dtype=torch.bool, device=idx.device)
+    starts[1:] = idx[1:] != idx[:-1]
+    bounds = [*starts.nonzero().flatten().tolist(), n]
+    G = math.gcd(*(b - a for a, b in itertools.pairwise(bounds)))
+    return G if G >= 2 else 0
 
 
 class _Group:

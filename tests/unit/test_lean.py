@@ -390,7 +390,7 @@ def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model,
     import gyre.lean as lean_mod
 
     model = make_tiny_model(seed=22, sharp=True)
-    texts = ["#.A..\n#####\nu3l1>", "12-3=456+"]
+    texts = ["#.A..\n#####\nu3l1>", "12-3=456+", "#.A..\n#####\nu3l1>"]  # a task drawn twice
     prompts = [
         [tokenizer.bos_token_id, *tokenizer.encode(t, add_special_tokens=False)] for t in texts
     ]
