@@ -30,10 +30,12 @@ attention.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,12 +233,30 @@ class LeanForward:
         self.layer_params = sum(p.numel() for p in self.inner.layers.parameters())
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fused: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None]] = {}
+        self._scope: int | None = None  # set by reuse_fused(): fused weights may be cached
+        self._scopes = 0
+
+    @contextlib.contextmanager
+    def reuse_fused(self) -> Iterator[None]:
+        """Within this block the parameters do not change, so fused Q/K/V and gate/up weights
+        are built once and reused (the engine wraps each ``generate`` in it). Outside it they
+        are concatenated at every forward: a parameter's ``_version`` cannot tell whether it
+        changed (``torch.optim.AdamW(fused=True)`` updates weights in place without bumping
+        it), so a cache kept across calls could serve stale weights."""
+        outer = self._scope
+        self._scopes += 1
+        self._scope = self._scopes  # a new number per block: nothing cached before matches
+        try:
+            yield
+        finally:
+            self._scope = outer
 
     # -- weights ----------------------------------------------------------------------------
     def _cat(self, key: int, mods: list[torch.nn.Linear]) -> tuple[torch.Tensor, Any]:
         """One weight (and bias) over several Linear layers. Under autograd the cat is part of
         the graph (gradients reach each layer's own parameter); without it the result is
-        cached until a parameter changes in place."""
+        cached for the current :meth:`reuse_fused` block (and its parameter objects), else
+        built anew."""
         ws = [m._parameters["weight"] for m in mods]
         bs = [m._parameters["bias"] for m in mods]
         has_bias = any(b is not None for b in bs)
@@ -247,8 +267,11 @@ class LeanForward:
             ]
         if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
             return torch.cat(ws), torch.cat(bs) if has_bias else None
+        if self._scope is None:
+            with torch.no_grad():
+                return torch.cat(ws), torch.cat(bs) if has_bias else None
         tensors = ws + (bs if has_bias else [])
-        stamp = tuple(t._version for t in tensors) + tuple(t.data_ptr() for t in tensors)
+        stamp = (self._scope, *(t._version for t in tensors), *(t.data_ptr() for t in tensors))
         hit = self._fused.get(key)
         if hit is None or hit[0] != stamp:
             with torch.no_grad():

@@ -471,3 +471,35 @@ def test_grouped_decode_switches_to_rows_after_max_steps(tokenizer, make_tiny_mo
         torch.testing.assert_close(
             torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5
         )
+
+
+def test_fused_weights_follow_in_place_updates_that_keep_versions(tokenizer, make_tiny_model):
+    """torch.optim.AdamW(fused=True) changes parameters in place without bumping _version: the
+    lean forward must not serve fused Q/K/V / gate-up weights cached from before such a step
+    (an engine sharing the trainer's model, or no-grad scoring after the update)."""
+    model = make_tiny_model(seed=24, sharp=True)
+    engine = TorchEngine(model, tokenizer.pad_token_id)  # shares the trainer's parameters
+    prompt = [tokenizer.bos_token_id, *tokenizer.encode("12-3=456+", add_special_tokens=False)]
+    reqs = [GenerationRequest(prompt, seed=k) for k in range(4)]
+    params = SamplingParams(1.0, 1.0, 6, ())
+    engine.generate(reqs, params)  # builds (and used to keep) the fused weights
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    versions = [p._version for p in model.parameters()]
+    opt.step()
+    assert [p._version for p in model.parameters()] == versions  # the trap itself
+    after = engine.generate(reqs, params)
+    fresh = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id).generate(reqs, params)
+    for a, b in zip(after, fresh, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+    lean = lean_for(model)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        mask = LeanForward.additive(
+            torch.ones(1, 1, len(prompt), len(prompt)).tril().bool(), torch.float32
+        )
+        ours = lean.logits(lean.hidden(ids, torch.arange(len(prompt))[None], mask))
+        ref = model(input_ids=ids).logits
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)

@@ -362,6 +362,18 @@ class TorchEngine:
         request; it gets the next index and is admitted into the running batch as soon as a
         slot is free. Returns every completion (initial requests, then follow-ups) by index.
         """
+        lean = self._lean()
+        if lean is None:
+            return self._generate_continuous(requests, params, on_complete)
+        with lean.reuse_fused():  # the weights do not change during one generate call
+            return self._generate_continuous(requests, params, on_complete)
+
+    def _generate_continuous(
+        self,
+        requests: list[GenerationRequest],
+        params: SamplingParams,
+        on_complete: OnComplete | None,
+    ) -> list[Completion]:
         for i, r in enumerate(requests):
             if not r.prompt_ids:
                 raise ValueError(f"request {i} has an empty prompt")
