@@ -11,6 +11,9 @@ Same task, model, batch and hyper-parameters on both sides:
 - batch: P prompts x G generations per step (default 8 x 8), at most ``--max-new-tokens``
   tokens, stopping at a newline or EOS (TRL: the newline id is added to the model's
   ``generation_config.eos_token_id``), temperature 1, top-p 1, no top-k;
+- weights: gyre's engine samples from the trainer's own parameters
+  (``engine.weight_sync=shared``; TRL generates with its training model too);
+  ``--gyre-weight-sync memory`` gives the engine a copy synced after every step;
 - update: one fused AdamW step per batch (TRL's default ``adamw_torch_fused``; lr ``--lr``,
   weight decay 0, grad-norm clip 1.0), PPO-clip
   eps 0.2, group-normalised advantages, per-sequence-then-mean loss (TRL ``loss_type="grpo"``,
@@ -112,7 +115,12 @@ def evaluate_reward(
 # -- gyre -------------------------------------------------------------------------------------
 def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     model, tok = load_pretrained(path, torch.device("cpu"))
-    engine = TorchEngine(copy.deepcopy(model), tok.pad_token_id, seed=args.seed)
+    # weight_sync "shared" (gyre's engine.weight_sync=shared, as TRL samples from its training
+    # model): the engine samples from the trainer's parameters; "memory" copies them each step
+    shared = args.gyre_weight_sync == "shared"
+    engine = TorchEngine(
+        model if shared else copy.deepcopy(model), tok.pad_token_id, seed=args.seed
+    )
     # fused: the same AdamW kernel as TRL (transformers defaults to optim="adamw_torch_fused")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     settings = GRPOSettings(
@@ -141,7 +149,10 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         grpo_update(
             model, opt, collate(trajs, tok.pad_token_id, torch.device("cpu")), adv, settings
         )
-        engine.load_weights(model.state_dict(), version=step + 1)
+        if shared:
+            engine.weights_changed(version=step + 1)
+        else:
+            engine.load_weights(model.state_dict(), version=step + 1)
         rewards.append(float(r.mean()))
     seconds = time.perf_counter() - t0
     return {
@@ -271,6 +282,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="TRL without its default gradient checkpointing (faster, more memory)",
     )
+    p.add_argument(
+        "--gyre-weight-sync",
+        choices=["shared", "memory"],
+        default="shared",
+        help="gyre's engine: sample from the trainer's parameters (engine.weight_sync=shared, "
+        "as TRL does) or from a copy synced each step (memory)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes: smoke test")
     args = p.parse_args(argv)
     if args.quick:
@@ -336,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "sft_steps": args.sft_steps,
         "trl_gradient_checkpointing": not args.trl_no_grad_ckpt,
         "gyre_env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith("GYRE_")},
+        "gyre_weight_sync": args.gyre_weight_sync,
         "load_average_1m": round(os.getloadavg()[0], 2),
         "quick": args.quick,
         "torch": torch.__version__,

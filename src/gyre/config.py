@@ -302,16 +302,25 @@ class EngineConfig(_Section):
         True,
         description="torch engine: lean forward for Llama/Mistral/Qwen2 (gyre.lean); false = HF.",
     )
-    weight_sync: Literal["memory", "disk"] = Field(
+    weight_sync: Literal["memory", "disk", "shared"] = Field(
         "memory",
-        description="torch engine only: copy tensors in memory, or go through sync_dir files "
-        "(http engines always use disk).",
+        description="torch engine only: copy tensors in memory, go through sync_dir files, or "
+        "shared: the engine samples from the trainer's own parameters (zero-copy; needs "
+        "sync_every=1 and no LoRA). http engines always use disk.",
     )
 
     @model_validator(mode="after")
     def _need_urls(self) -> EngineConfig:
         if self.kind == "http" and not self.urls:
             raise ValueError("engine.urls must list at least one server when engine.kind=http")
+        if self.weight_sync == "shared":
+            if self.kind != "torch":
+                raise ValueError("engine.weight_sync=shared needs engine.kind=torch")
+            if self.sync_every != 1:
+                raise ValueError(
+                    f"engine.weight_sync=shared samples from the trainer's current weights: it "
+                    f"needs engine.sync_every=1 (got {self.sync_every}); use memory to lag"
+                )
         return self
 
 
@@ -564,6 +573,11 @@ class Config(_Section):
     def _check_ray(self) -> Config:
         if self.runner == "ray":
             check_ray_config(self)
+        if self.engine.weight_sync == "shared" and self.model.lora is not None:
+            raise ValueError(
+                "engine.weight_sync=shared is for full-weight training; with model.lora use "
+                "memory (the adapter's tensors are copied) or disk"
+            )
         return self
 
 
@@ -598,6 +612,11 @@ def check_ray_config(cfg: Config) -> None:
         raise ValueError("reward.functions are not supported with runner=ray yet")
     if cfg.model.lora is not None:
         raise ValueError("model.lora is not supported with runner=ray yet (use runner=local)")
+    if cfg.engine.weight_sync == "shared":
+        raise ValueError(
+            "engine.weight_sync=shared shares one process's parameters; with runner=ray the "
+            "engine and trainer live in different actors (use memory)"
+        )
     if cfg.engine.kind != "torch":
         raise ValueError(
             f"engine.kind={cfg.engine.kind!r} is not supported with runner=ray yet: the rollout "

@@ -18,14 +18,14 @@ def build_engine(
 ) -> tuple[Any, WeightSync]:
     """The engine the run samples from, and the :class:`WeightSync` that keeps it current.
 
-    ``torch``: an in-process copy of the policy. ``http``: the servers in ``engine.urls``; they
-    must already serve the run's base model (``model.path``, or the SFT output, which
-    :func:`initial_sync` pushes).
+    ``torch``: an in-process copy of the policy (``engine.weight_sync=shared``: the policy
+    itself, no copy). ``http``: the servers in ``engine.urls``; they must already serve the
+    run's base model (``model.path``, or the SFT output, which :func:`initial_sync` pushes).
     """
     e = cfg.engine
     if e.kind == "torch":
         engine: Any = TorchEngine(
-            copy.deepcopy(model),
+            model if e.weight_sync == "shared" else copy.deepcopy(model),
             tokenizer.pad_token_id,
             seed=cfg.run.seed,
             lean_forward=e.lean_forward,

@@ -4,6 +4,9 @@ Three paths, chosen from the engine and ``engine.weight_sync``:
 
 - **memory** (in-process torch engine): copy the changed tensors (all weights, or under LoRA
   only the adapter's) into the engine's model.
+- **shared** (in-process torch engine built on the trainer's own model, no LoRA): nothing to
+  copy; a sync only moves the engine to the new version and drops its parked KV caches
+  (computed with the old weights).
 - **adapter files** (LoRA, any engine that has ``load_adapter``): write the adapter atomically to
   ``<sync_dir>/v<version>/`` in peft format (``adapter_model.safetensors`` +
   ``adapter_config.json``), tell each engine to load it and wait for its acknowledgement, then
@@ -43,7 +46,8 @@ class WeightSync:
     ) -> None:
         self.cfg, self.engine, self.tokenizer, self.lora = cfg, engine, tokenizer, lora
         self.sync_dir = Path(sync_dir)
-        self.mode = "memory" if cfg.kind == "torch" and cfg.weight_sync == "memory" else "disk"
+        local = cfg.kind == "torch" and cfg.weight_sync in ("memory", "shared")
+        self.mode = cfg.weight_sync if local else "disk"
         if self.mode == "disk":
             need = "load_adapter" if lora else "load_weights_from_disk"
             if not hasattr(engine, need):
@@ -54,6 +58,11 @@ class WeightSync:
 
     def sync(self, model: torch.nn.Module, version: int) -> dict[str, float]:
         """Push ``model`` to the engine as ``version``; returns sync metrics."""
+        if self.mode == "shared":
+            if self.engine.model is not model:
+                raise RuntimeError("weight_sync=shared: the engine does not hold this model")
+            self.engine.weights_changed(version)
+            return {"sync/bytes": 0.0, "sync/load_s": 0.0}
         if self.mode == "memory":
             state = trainable_state(model) if self.lora else model.state_dict()
             t0 = time.perf_counter()

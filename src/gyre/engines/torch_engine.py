@@ -279,6 +279,13 @@ class TorchEngine:
         self.version = version
         self._parked.clear()  # cached keys/values belong to the old weights
 
+    def weights_changed(self, version: int) -> None:
+        """The model's parameters were updated in place (a colocated trainer sharing them:
+        ``engine.weight_sync=shared``): move to ``version`` and drop the parked caches, whose
+        keys/values came from the old weights."""
+        self.version = version
+        self._parked.clear()
+
     def load_weights_from_disk(self, path: str | Path, version: int) -> int:
         """Full-weight sync from a Hugging Face folder's safetensors; returns ``version``."""
         files = sorted(Path(path).glob("*.safetensors"))
