@@ -181,3 +181,14 @@ def fsdp2_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -
     if rank == 0:
         torch.save(out, f"{out_dir}/fsdp2.pt")
     dist.destroy_process_group()
+
+
+TINY_ARITHMETIC_RUN = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.intermediate_size=64",
+    "env.name=arithmetic",
+    "env.arithmetic.max_operand=2",
+    "env.arithmetic.ops=+",
+]
+"""CLI overrides of a tiny run on the arithmetic env (2-layer, 32-wide model, operands 0-2)."""

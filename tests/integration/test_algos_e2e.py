@@ -11,14 +11,10 @@ from pathlib import Path
 import pytest
 
 from gyre.cli import main
+from helpers import TINY_ARITHMETIC_RUN
 
 BASE = [
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.intermediate_size=64",
-    "env.name=arithmetic",
-    "env.arithmetic.max_operand=2",
-    "env.arithmetic.ops=+",
+    *TINY_ARITHMETIC_RUN,
     "train.tasks_per_step=2",
     "train.group_size=4",
     "train.lr=0.001",

@@ -10,14 +10,10 @@ from pydantic import ValidationError
 
 from gyre.cli import main
 from gyre.config import Config
+from helpers import TINY_ARITHMETIC_RUN
 
 BASE = [
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.intermediate_size=64",
-    "env.name=arithmetic",
-    "env.arithmetic.max_operand=2",
-    "env.arithmetic.ops=+",
+    *TINY_ARITHMETIC_RUN,
     "sft.steps=30",
     "sft.lr=0.02",
     "sft.demos=40",
