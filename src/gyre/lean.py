@@ -57,14 +57,14 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _WARNED: set[tuple[str, str]] = set()
 
 
+def _flag(name: str) -> bool:
+    """An on-by-default env switch: 0/false/no/off turns it off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def lean_env_enabled() -> bool:
     """``GYRE_LEAN`` (default on): 0/false/no/off turns the lean forward off everywhere."""
-    raw = os.environ.get("GYRE_LEAN", "").strip().lower()
-    return raw not in ("0", "false", "no", "off")
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _flag("GYRE_LEAN")
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:

@@ -276,13 +276,12 @@ class TorchEngine:
             own = self.model.state_dict()
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor)
-        self.version = version
-        self._parked.clear()  # cached keys/values belong to the old weights
+        self.weights_changed(version)
 
     def weights_changed(self, version: int) -> None:
-        """The model's parameters were updated in place (a colocated trainer sharing them:
-        ``engine.weight_sync=shared``): move to ``version`` and drop the parked caches, whose
-        keys/values came from the old weights."""
+        """The model's parameters changed (copied in by a sync, or updated in place by a
+        colocated trainer sharing them: ``engine.weight_sync=shared``): move to ``version``
+        and drop the parked caches, whose keys/values came from the old weights."""
         self.version = version
         self._parked.clear()
 
@@ -313,8 +312,7 @@ class TorchEngine:
         for name in list(self.model.peft_config):
             if name != active:
                 self.model.delete_adapter(name)
-        self.version = version
-        self._parked.clear()  # cached keys/values belong to the old adapter
+        self.weights_changed(version)  # cached keys/values belong to the old adapter
         return version
 
     def reset_cache(self) -> None:
