@@ -123,8 +123,16 @@ def policy_forward(
     shared = value_model is not None and value_model.shared
     if not shared:
         # No hidden states needed: the packed / chunked scoring path (gyre.scoring) applies.
+        # Only the loss-masked tokens are ever read (loss, old / ref log-probs, metrics):
+        # scoring just those skips each row's last token and everything after its last action.
         logp, ent = token_logprobs(
-            model, batch, temperature, top_p, with_entropy, entropy_grad=entropy_grad
+            model,
+            batch,
+            temperature,
+            top_p,
+            with_entropy,
+            entropy_grad=entropy_grad,
+            score_mask=batch.loss_mask,
         )
         return logp, ent, value_model(batch) if value_model is not None else None
     out = model(

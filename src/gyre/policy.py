@@ -88,6 +88,7 @@ def token_logprobs(
     with_entropy: bool = False,
     options: ScoringOptions | None = None,
     entropy_grad: bool = False,
+    score_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, under the sampling distribution.
 
@@ -98,20 +99,27 @@ def token_logprobs(
     the values are those of the plain path (padding positions read 0). ``options`` overrides
     the defaults (``GYRE_PACK`` / ``GYRE_LOGPROB_CHUNK``); with both off this is the plain path.
     ``entropy_grad`` (an entropy bonus in the loss) takes the plain path: the fast path's
-    entropy is a detached metric.
+    entropy is a detached metric. ``score_mask`` (B, T), e.g. the loss mask: only those
+    tokens' log-probs (and entropies) are wanted, the others read 0; the fast path then
+    computes only the positions they need (see :func:`gyre.scoring.chunked_token_logprobs`).
     """
     opts = options or ScoringOptions.from_env()
     if (opts.pack or opts.chunk > 0) and not (with_entropy and entropy_grad):
         fast = chunked_token_logprobs(
-            model, batch.input_ids, batch.attention_mask, 0, temperature, top_p, opts
+            model, batch.input_ids, batch.attention_mask, 0, temperature, top_p, opts, score_mask
         )
         if fast is not None:
             tok, ent = fast
             return tok, ent if with_entropy else None
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return logits_to_token_logprobs(
+    tok, ent = logits_to_token_logprobs(
         logits, batch.input_ids, temperature, top_p, with_entropy, entropy_grad
     )
+    if score_mask is not None:  # the same values as the fast path: 0 outside the mask
+        keep = score_mask.to(tok.dtype)
+        tok = tok * keep
+        ent = ent * keep if ent is not None else None
+    return tok, ent
 
 
 def logits_to_token_logprobs(

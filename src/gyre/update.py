@@ -190,7 +190,9 @@ def prepare_batch(
                 parts["values"].append(torch.nn.functional.pad(values * mb.loss_mask, (0, pad)))
         if need_ref:
             assert ref_model is not None
-            ref, _ = token_logprobs(ref_model, mb, settings.temperature, settings.top_p)
+            ref, _ = token_logprobs(
+                ref_model, mb, settings.temperature, settings.top_p, score_mask=mb.loss_mask
+            )
             parts["ref_logprobs"].append(torch.nn.functional.pad(ref, (0, pad)))
     model.train(was_training)
     for key, chunks in parts.items():
@@ -377,7 +379,11 @@ def policy_update(
                 else:
                     with torch.no_grad():
                         ref_logp, _ = token_logprobs(
-                            ref_model, mb, settings.temperature, settings.top_p
+                            ref_model,
+                            mb,
+                            settings.temperature,
+                            settings.top_p,
+                            score_mask=mb.loss_mask,
                         )
                 kl = kl_fn(logp, ref_logp)
                 loss_tok = loss_tok + settings.kl_coef * kl

@@ -144,3 +144,85 @@ def test_config_keys_switch_trainer_scoring_paths(monkeypatch, make_tiny_model):
     assert calls
     monkeypatch.setenv("GYRE_LEAN", "0")
     assert not ScoringOptions.from_env().lean
+
+
+def _fed_positions(monkeypatch) -> list[int]:
+    """Record the real (non-pad, id != 0) positions each lean forward is given."""
+    import gyre.lean as lean_mod
+
+    fed: list[int] = []
+    real = lean_mod.LeanForward.hidden
+
+    def hidden(self, input_ids, *a, **k):
+        fed.append(int((input_ids != 0).sum()))
+        return real(self, input_ids, *a, **k)
+
+    monkeypatch.setattr(lean_mod.LeanForward, "hidden", hidden)
+    return fed
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [ScoringOptions(False, 7), ScoringOptions(True, 0), ScoringOptions(True, 5)],
+    ids=["padded+chunked", "packed", "packed+chunked"],
+)
+def test_score_mask_scores_only_what_it_needs(make_tiny_model, monkeypatch, opts):
+    """With score_mask (the loss mask) the masked tokens' log-probs equal the plain path's,
+    the rest read 0, and the forward sees only row b's tokens before its last masked one:
+    never a row's last token, nothing after its last action, no row without one."""
+    model = make_tiny_model(seed=3, sharp=True)
+    trajs = _trajs(9, seed=4)
+    trajs[2].loss_mask[:] = [0] * len(trajs[2].loss_mask)  # nothing to score in this row
+    batch = collate(trajs, 0, CPU)
+    fed = _fed_positions(monkeypatch)
+    with torch.no_grad():
+        ref, ref_ent = token_logprobs(model, batch, with_entropy=True, options=PLAIN)
+        got, ent = token_logprobs(
+            model, batch, with_entropy=True, options=opts, score_mask=batch.loss_mask
+        )
+    m = batch.loss_mask.bool()
+    m[:, 0] = False
+    torch.testing.assert_close(got[m], ref[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent[m], ref_ent[m], atol=1e-5, rtol=1e-5)
+    assert torch.all(got[~m] == 0.0) and torch.all(ent[~m] == 0.0)
+    cols = torch.arange(batch.input_ids.shape[1])
+    need = torch.where(m, cols, 0).amax(dim=1)  # row b's inputs: positions 0 .. need-1
+    assert int(need[2]) == 0 and int(need.max()) < batch.input_ids.shape[1]
+    if opts.pack:
+        assert fed == [int(need.sum())]  # packed: exactly the needed tokens, once each
+    else:
+        assert len(fed) == 1  # padded: the width is the longest need, not the longest row
+        assert fed[0] <= int(batch.attention_mask[:, : int(need.max())].sum())
+
+
+def test_tree_pack_drops_each_rows_last_token(make_tiny_model, monkeypatch):
+    """GRPO groups (a shared prompt, G answers): the tree holds the prompt once and each
+    answer without its last token, and log-probs and gradients equal the plain path."""
+    model = make_tiny_model(seed=5, sharp=True)
+    g = torch.Generator().manual_seed(0)
+    trajs, expected = [], 0
+    for k in range(3):
+        prompt = [1, 10 + k, *torch.randint(4, 90, (4,), generator=g).tolist()]  # 6 tokens
+        expected += len(prompt)
+        for j in range(4):
+            n = 1 + j % 3  # answers of 1..3 tokens, first tokens distinct within the group
+            answer = [40 + j, *torch.randint(4, 90, (n - 1,), generator=g).tolist()]
+            expected += n - 1  # the answer's last token is never an input
+            ids = prompt + answer
+            mask = [0] * len(prompt) + [1] * n
+            trajs.append(Trajectory(ids, mask, [-0.5 * x for x in mask], 0.0, k, 0, 1, False, k))
+    batch = collate(trajs, 0, CPU)
+    adv = torch.linspace(-1.0, 1.0, len(trajs)).unsqueeze(-1)
+    results = {}
+    for name, opts in (("plain", PLAIN), ("tree", ScoringOptions())):
+        fed = _fed_positions(monkeypatch)
+        mdl = copy.deepcopy(model)
+        logp, _ = token_logprobs(mdl, batch, options=opts, score_mask=batch.loss_mask)
+        loss = -(logp * adv * batch.loss_mask).sum()
+        loss.backward()
+        results[name] = (logp.detach(), [p.grad.clone() for p in mdl.parameters()], list(fed))
+    (lp0, g0, _), (lp1, g1, fed) = results["plain"], results["tree"]
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert fed == [expected]
