@@ -468,9 +468,14 @@ def chunked_token_logprobs(
     cols = torch.arange(T, device=input_ids.device)
     in_len = torch.where(need, cols, 0).amax(dim=1)  # (B,)
     keep = (in_len > 0).nonzero().flatten()
-    if len(keep) == 0:  # nothing to score
+    if len(keep) == 0:  # nothing to score (e.g. a micro-batch of failed episodes)
         zeros = head.weight.new_zeros(B, T)
-        return zeros, zeros.clone()
+        if torch.is_grad_enabled():  # in the graph, as a forward's output would be: a loss
+            # built on it backpropagates, and every parameter gets a zero gradient
+            trainable = [p.reshape(-1)[:1] for p in model.parameters() if p.requires_grad]
+            if trainable:
+                zeros = zeros + 0.0 * torch.cat(trainable).sum()
+        return zeros, head.weight.new_zeros(B, T)
     T_in = int(in_len.max())
     if len(keep) < B:  # rows with nothing to score are not computed at all
         where = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)

@@ -226,3 +226,17 @@ def test_tree_pack_drops_each_rows_last_token(make_tiny_model, monkeypatch):
     for a, b in zip(g0, g1, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
     assert fed == [expected]
+
+
+def test_nothing_to_score_still_backpropagates(make_tiny_model):
+    """A micro-batch whose loss mask is all zero (failed episodes) feeds nothing, but a loss
+    built on it still backpropagates and every parameter gets a zero gradient, as when the
+    forward ran."""
+    model = make_tiny_model(seed=1)
+    batch = collate(_trajs(3), 0, CPU)
+    zero = torch.zeros_like(batch.loss_mask)
+    logp, ent = token_logprobs(model, batch, with_entropy=True, score_mask=zero)
+    assert torch.all(logp == 0) and torch.all(ent == 0)
+    (logp * 3.0).sum().backward()
+    for p in model.parameters():
+        assert p.grad is not None and torch.all(p.grad == 0)
