@@ -8,8 +8,10 @@ The policy's own tokens are never re-tokenised, so the trainer scores exactly wh
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import struct
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -74,8 +76,10 @@ def turn_seed(base: int | None, episode: int, turn: int) -> int | None:
     """The request seed of (episode, turn) in a rollout seeded with ``base`` (None: unseeded)."""
     if base is None:
         return None
-    ss = np.random.SeedSequence([base % 2**63, episode, turn])
-    return int(ss.generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> np.uint64(2))
+    # A keyed hash, not numpy's SeedSequence: the same independence for this use (distinct
+    # inputs, unrelated 62-bit outputs) at ~1 us instead of ~10 us, 64+ times per rollout.
+    raw = struct.pack("<QQQ", base % 2**63, episode, turn)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 2
 
 
 def run_episodes(

@@ -522,3 +522,19 @@ def test_engine_forked_groups_on_gqa_models(name):
         torch.testing.assert_close(
             torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5
         )
+
+
+@pytest.mark.parametrize("shape", [(256, 1, 13), (32, 8, 5), (4, 1, 7), (128, 1, 24)])
+def test_attention_softmax_padding_is_exact(shape):
+    """lean._softmax pads short score rows to 16 columns of -inf (torch's fast CPU path):
+    the same probabilities as softmax, also with masked (dtype min) and fully masked rows."""
+    from gyre.lean import _softmax
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(*shape, generator=g) * 4
+    s[..., -1] = torch.finfo(s.dtype).min  # a masked key
+    s[0] = torch.finfo(s.dtype).min  # rows with every key masked
+    got = _softmax(s)
+    assert got.shape == s.shape
+    torch.testing.assert_close(got, s.softmax(-1), atol=1e-6, rtol=1e-5)
+    assert torch.all(got[1:, ..., -1] == 0)  # a masked key gets exactly 0 unless all are

@@ -219,7 +219,8 @@ class TorchEngine:
     ``torch.compile``; ``admit_ratio`` sets how many requests must wait (relative to running
     rows) before a mid-decode admission prefill is worth its forward call; ``compact_min`` is
     the fraction of finished rows at which compaction gathers the live rows (0: every step a
-    row finishes). ``lean_forward``
+    row finishes; default half: on a small model a decode step costs about the same for 17
+    rows as for 64, while the gather out of the grouped layout costs ~1 ms). ``lean_forward``
     (default on; ``GYRE_LEAN=0`` turns it off) runs Llama-family models through
     :class:`gyre.lean.LeanForward`, falling back to the HF forward for anything else.
     """
@@ -235,7 +236,7 @@ class TorchEngine:
         admit_ratio: float = 0.5,
         compile_decode: bool | None = None,
         lean_forward: bool = True,
-        compact_min: float = 0.25,
+        compact_min: float = 0.5,
     ) -> None:
         if max_batch_size < 0:
             raise ValueError(f"max_batch_size must be >= 0 (0 = unbounded), got {max_batch_size}")
