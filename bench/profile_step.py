@@ -117,8 +117,8 @@ def profile_gyre(path: Path, args: argparse.Namespace) -> dict[str, float]:
     import gyre.update as upd
 
     ph = Phases()
-    saved = vs_trl.evaluate_reward
-    vs_trl.evaluate_reward = _untimed_eval(saved)
+    saved = vs_trl.evaluate_rewards
+    vs_trl.evaluate_rewards = _untimed_eval(saved)
     targets = [
         *_common(),
         (vs_trl, "run_episodes", "rollout", _not_eval),
@@ -130,7 +130,7 @@ def profile_gyre(path: Path, args: argparse.Namespace) -> dict[str, float]:
         with patched(targets, ph):
             res = vs_trl.run_gyre(path, args)
     finally:
-        vs_trl.evaluate_reward = saved
+        vs_trl.evaluate_rewards = saved
     return _per_step(ph, res["seconds"], args.steps)
 
 

@@ -27,8 +27,10 @@ Timing: wall time of the training steps only (TRL: from the first ``on_step_begi
 update, weight sync). Each side runs ``--repeats`` times, alternating, and the fastest run
 counts (other load can only slow a run down). samples/s = P x G x steps / seconds. Reward:
 each side's mean training reward over its steps, and a held-out evaluation of both final
-models with the same gyre engine and seeds (mean reward of ``--eval-tasks`` sampled answers,
-temperature 1).
+models with the same gyre engine and seeds (mean reward of one sampled answer, temperature 1,
+to each of ``--eval-tasks`` tasks), compared task by task: the paired difference gyre - TRL,
+its standard error, and a verdict ("equal" within 2 standard errors, else "better" or
+"worse").
 
 Run::
 
@@ -102,14 +104,34 @@ def warm_start(base: Path, out: Path, steps: int, seed: int, max_operand: int) -
     return out
 
 
-def evaluate_reward(
+def evaluate_rewards(
     model: torch.nn.Module, tok: Any, tasks: int, max_new: int, max_operand: int
-) -> float:
+) -> list[float]:
+    """The reward of one sampled answer (temperature 1) to each of ``tasks`` held-out tasks;
+    the same tasks and sampling seeds for every model, so two models' lists pair up."""
     engine = TorchEngine(copy.deepcopy(model), tok.pad_token_id, seed=0)
     params = SamplingParams(1.0, 1.0, max_new, stop_ids(tok), seed=12345)
     seeds = [5_000_000 + k for k in range(tasks)]
     trajs = run_episodes(env_maker(max_operand), engine, tok, seeds, 1, params)
-    return float(np.mean([t.reward for t in trajs]))
+    return [float(t.reward) for t in trajs]
+
+
+def evaluate_reward(
+    model: torch.nn.Module, tok: Any, tasks: int, max_new: int, max_operand: int
+) -> float:
+    return float(np.mean(evaluate_rewards(model, tok, tasks, max_new, max_operand)))
+
+
+def reward_verdict(gyre: Sequence[float], trl: Sequence[float]) -> dict[str, Any]:
+    """Paired comparison of two models' held-out rewards on the same tasks: the mean
+    difference gyre - TRL, its standard error, and a verdict: "better" / "worse" when the
+    difference is beyond 2 standard errors, else "equal" (within sampling noise)."""
+    d = np.asarray(gyre, dtype=float) - np.asarray(trl, dtype=float)
+    n = len(d)
+    diff = float(d.mean()) if n else 0.0
+    se = float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else float("inf")
+    verdict = "better" if diff > 2 * se else "worse" if diff < -2 * se else "equal"
+    return {"diff": round(diff, 4), "se": round(se, 4), "verdict": verdict}
 
 
 # -- gyre -------------------------------------------------------------------------------------
@@ -158,7 +180,7 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "seconds": seconds,
         "rewards": rewards,
-        "eval_reward": evaluate_reward(
+        "eval_rewards": evaluate_rewards(
             model, tok, args.eval_tasks, args.max_new_tokens, args.max_operand
         ),
     }
@@ -256,7 +278,7 @@ def run_trl(path: Path, args: argparse.Namespace, workdir: Path) -> dict[str, An
     return {
         "seconds": clock.end - clock.start,
         "rewards": rewards,
-        "eval_reward": evaluate_reward(
+        "eval_rewards": evaluate_rewards(
             trained, tok, args.eval_tasks, args.max_new_tokens, args.max_operand
         ),
         "trl": trl.__version__,
@@ -274,7 +296,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-operand", type=int, default=9, help="operands in [0, N], ops +-")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--sft-steps", type=int, default=300, help="shared warm start (0: none)")
-    p.add_argument("--eval-tasks", type=int, default=256)
+    p.add_argument(
+        "--eval-tasks", type=int, default=2048, help="held-out tasks (one sampled answer each)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs per side, alternated; best")
     p.add_argument(
@@ -325,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         g = min(g_runs, key=lambda r: r["seconds"])
         t = min(t_runs, key=lambda r: r["seconds"])
     samples = args.prompts * args.group_size * args.steps
+    verdict = reward_verdict(g["eval_rewards"], t["eval_rewards"])
     report: dict[str, Any] = {
         "bench": "vs_trl",
         "threads": args.threads,
@@ -348,8 +373,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "start_eval_reward": round(start_reward, 4),
         "gyre_train_reward_mean": round(float(np.mean(g["rewards"])), 4),
         "trl_train_reward_mean": round(float(np.mean(t["rewards"])), 4) if t["rewards"] else None,
-        "gyre_eval_reward": round(g["eval_reward"], 4),
-        "trl_eval_reward": round(t["eval_reward"], 4),
+        "gyre_eval_reward": round(float(np.mean(g["eval_rewards"])), 4),
+        "trl_eval_reward": round(float(np.mean(t["eval_rewards"])), 4),
+        "eval_tasks": args.eval_tasks,
+        "eval_reward_gyre_minus_trl": verdict,
         "model_params": count_parameters(model),
         "sft_steps": args.sft_steps,
         "trl_gradient_checkpointing": not args.trl_no_grad_ckpt,
@@ -373,6 +400,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"{side:<6}{sps:>9.3f}{rate:>11.1f}{tr:>14.3f}{report[f'{side}_eval_reward']:>13.3f}")
     print(
         f"ratio gyre/TRL samples/s: {report['ratio']:.2f}x  (start eval reward {start_reward:.3f})"
+    )
+    print(
+        f"held-out reward gyre - TRL over {args.eval_tasks} paired tasks: {verdict['diff']:+.4f}"
+        f" (s.e. {verdict['se']:.4f}): {verdict['verdict']}"
     )
     print(json.dumps(report))
     return report

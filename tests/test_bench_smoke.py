@@ -60,7 +60,7 @@ def test_vs_trl_bench_quick() -> None:
     assert report["bench"] == "vs_trl"
     assert report["gyre_samples_per_s"] > 0 and report["trl_samples_per_s"] > 0
     assert report["samples"] == 2 * 4 * 2
-    for key in ("ratio", "gyre_eval_reward", "trl_eval_reward"):
+    for key in ("ratio", "gyre_eval_reward", "trl_eval_reward", "eval_reward_gyre_minus_trl"):
         assert key in report
 
 
