@@ -291,7 +291,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts per step (P)")
     p.add_argument("--group-size", type=int, default=8, help="generations per prompt (G)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        help="completion budget on both sides (the issue's <= 32; answers stop at a newline)",
+    )
     p.add_argument("--steps", type=int, default=20, help="GRPO steps on each side")
     p.add_argument("--max-operand", type=int, default=9, help="operands in [0, N], ops +-")
     p.add_argument("--lr", type=float, default=3e-4)

@@ -365,6 +365,7 @@ class LeanForward:
             group = getattr(cache.layers[0], "_gyre_group", None)
             if group is not None and group.steps >= GROUP_MAX_STEPS:
                 ungroup_cache(cache)  # long completions: G x own columns cost more than rows
+        gmask = None  # the grouped layout's block mask, built by the first layer that needs it
         for li, (ln1, ln2, qp, kp, vp, op, gp, up, dp) in enumerate(self._layers()):
             h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps)
             if fuse:
@@ -384,7 +385,10 @@ class LeanForward:
                 k, v = _append_kv(cache.layers[li], k, v)
             pre = getattr(cache.layers[li], "_gyre_prefix", None) if decode else None
             if group is not None:  # a fresh batch of forked groups (appends in attend)
+                if group.mask is None and gmask is not None and gmask.shape[-1] == group.width:
+                    group.mask = gmask  # every layer's block mask is the same (read-only)
                 o = group.attend(q, k, v, mask, self.scaling)
+                gmask = group.mask
             elif pre is not None and shared_attn and pre.src.shape[0] == B:
                 o = _shared_prefix_attention(q, k, v, mask, pre, self.scaling)
             elif decode:
@@ -628,6 +632,10 @@ class _Group:
         gk[:, :, :L0].copy_(keys)
         gv[:, :, :L0].copy_(values)
         return cls(gk, gv, L0, G)
+
+    @property
+    def width(self) -> int:
+        return int(self.keys.shape[2])
 
     @property
     def capacity(self) -> int:

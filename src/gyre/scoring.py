@@ -34,7 +34,9 @@ tolerance). Switches (for measuring, see docs/performance.md): ``GYRE_PACK=0``,
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -373,8 +375,8 @@ def tree_pack(
     )
 
 
-def _layout_cost(model: torch.nn.Module, rows: int, width: int) -> float:
-    """Estimated forward FLOPs of ``rows`` x ``width`` positions under dense attention."""
+def _cost_terms(model: torch.nn.Module) -> tuple[float, float]:
+    """(FLOPs per position, attention FLOPs per (query, key) pair) of a forward."""
     cfg = model.config
     lean = model.__dict__.get("_gyre_lean")
     n_params = (
@@ -388,7 +390,13 @@ def _layout_cost(model: torch.nn.Module, rows: int, width: int) -> float:
         * int(cfg.num_attention_heads)
         * int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     )
-    return rows * width * 2.0 * n_params + rows * width * width * float(att)
+    return 2.0 * n_params, float(att)
+
+
+def _layout_cost(model: torch.nn.Module, rows: int, width: int) -> float:
+    """Estimated forward FLOPs of ``rows`` x ``width`` positions under dense attention."""
+    per_pos, per_pair = _cost_terms(model)
+    return rows * width * per_pos + rows * width * width * per_pair
 
 
 def plan_tree(
@@ -396,15 +404,23 @@ def plan_tree(
     input_ids: torch.Tensor,
     lengths: list[int],
     pad_token_id: int,
-    other: tuple[int, int],
+    other: tuple[int, int] | Callable[[], tuple[int, int]],
 ) -> TreePacked | None:
     """The tree layout of a right-padded batch when it costs at most ``TREE_MIN_SAVING`` of
-    the ``other`` (rows, width) layout, else None."""
+    the ``other`` (rows, width) layout, else None. ``other`` may be a function, called only
+    if the tree does not already beat every layout without shared prefixes: those compute
+    each real position once at least, in rows at least as wide as the longest one."""
     rows = [input_ids[b, : lengths[b]].tolist() for b in range(len(lengths))]
     layout = _tree_bins(rows)
     R, W = len(layout[1]), layout[2]
-    if _layout_cost(model, R, W) > TREE_MIN_SAVING * _layout_cost(model, *other):
-        return None  # decided before any (R, W, W) mask is built
+    cost = _layout_cost(model, R, W)
+    per_pos, per_pair = _cost_terms(model)
+    n = sum(lengths)
+    if cost > TREE_MIN_SAVING * (n * per_pos + n * max(lengths) * per_pair):
+        if callable(other):
+            other = other()
+        if cost > TREE_MIN_SAVING * _layout_cost(model, *other):
+            return None  # decided before any (R, W, W) mask is built
     return tree_pack(rows, pad_token_id, input_ids.device, layout)
 
 
@@ -487,15 +503,21 @@ def chunked_token_logprobs(
     B_in = len(lengths)
     lean = lean_for(model, opts.lean)
     packed = None
-    other = (B_in, T_in)  # (rows, width) of the layout used if not tree-packed
-    if opts.pack and B_in > 1 and (lean is not None or packing_supported(decoder)):
-        n_rows = len(_ffd(lengths)[0])  # the packed shape, before building anything
-        if n_rows * max(lengths) <= PACK_MIN_SAVING * B_in * T_in:
-            other = (n_rows, max(lengths))
-        # else: rows of similar length, packing would save too little to pay
+
+    @functools.cache
+    def plain_or_packed() -> tuple[int, int]:
+        """(rows, width) of the layout used if not tree-packed."""
+        if opts.pack and B_in > 1 and (lean is not None or packing_supported(decoder)):
+            n_rows = len(_ffd(lengths)[0])  # the packed shape, before building anything
+            if n_rows * max(lengths) <= PACK_MIN_SAVING * B_in * T_in:
+                return (n_rows, max(lengths))
+            # else: rows of similar length, packing would save too little to pay
+        return (B_in, T_in)
+
     tree = None
     if lean is not None and opts.share_prefix and B_in > 1:
-        tree = plan_tree(model, ids_in, lengths, pad_token_id, other)
+        tree = plan_tree(model, ids_in, lengths, pad_token_id, plain_or_packed)
+    other = plain_or_packed() if tree is None else (B_in, T_in)
     if tree is None and other != (B_in, T_in):
         packed = pack_rows(ids_in, lengths, pad_token_id)
     if tree is not None:
