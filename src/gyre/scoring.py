@@ -29,7 +29,8 @@ Two things waste most of a training forward on RL batches:
 All give the same log-probs, entropies and gradients as the plain path (tested, fp32
 tolerance). Switches (for measuring, see docs/performance.md): ``GYRE_PACK=0``,
 ``GYRE_LOGPROB_CHUNK=0`` (0 = no chunking: one full-vocab pass, as before), ``GYRE_LEAN=0``
-(Hugging Face forward) and ``GYRE_SHARE_PREFIX=0`` (no tree packing).
+(Hugging Face forward), ``GYRE_SHARE_PREFIX=0`` (no tree packing) and ``GYRE_SCORE_TRIM=0``
+(feed whole rows, each row's last token included).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class ScoringOptions:
     chunk: int = 1024  # positions per LM-head / log-softmax chunk; 0 = all at once
     lean: bool = True  # the lean forward for Llama-family models (gyre.lean)
     share_prefix: bool = True  # tree packing of shared prefixes (needs the lean forward)
+    trim: bool = True  # feed only the positions a scored token needs (off: whole rows)
 
     @classmethod
     def from_env(cls) -> ScoringOptions:
@@ -84,6 +86,7 @@ class ScoringOptions:
             lean=_env_int("GYRE_LEAN", 1) != 0 and _CONFIGURED.get("lean", True),
             share_prefix=_env_int("GYRE_SHARE_PREFIX", 1) != 0
             and _CONFIGURED.get("share_prefix", True),
+            trim=_env_int("GYRE_SCORE_TRIM", 1) != 0,
         )
 
 
@@ -483,6 +486,8 @@ def chunked_token_logprobs(
     # Inputs row b needs: positions 0 .. (last scored t) - 1
     cols = torch.arange(T, device=input_ids.device)
     in_len = torch.where(need, cols, 0).amax(dim=1)  # (B,)
+    if not opts.trim:  # whole rows, every row (for measuring what trimming buys)
+        in_len = attention_mask.sum(dim=1)
     keep = (in_len > 0).nonzero().flatten()
     if len(keep) == 0:  # nothing to score (e.g. a micro-batch of failed episodes)
         zeros = head.weight.new_zeros(B, T)

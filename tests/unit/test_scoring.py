@@ -240,3 +240,23 @@ def test_nothing_to_score_still_backpropagates(make_tiny_model):
     (logp * 3.0).sum().backward()
     for p in model.parameters():
         assert p.grad is not None and torch.all(p.grad == 0)
+
+
+def test_trim_switch_feeds_whole_rows(make_tiny_model, monkeypatch):
+    """GYRE_SCORE_TRIM=0 (for measuring) feeds every real token of every row, and the scored
+    log-probs do not change."""
+    model = make_tiny_model(seed=2)
+    batch = collate(_trajs(5, seed=7), 0, CPU)
+    out = {}
+    for trim in ("1", "0"):
+        monkeypatch.setenv("GYRE_SCORE_TRIM", trim)
+        fed = _fed_positions(monkeypatch)
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, batch, options=ScoringOptions.from_env())
+        out[trim] = (lp, list(fed))
+    n_real = int(batch.attention_mask.sum())
+    lengths = batch.attention_mask.sum(1)
+    width = int(lengths.max()) - 1  # trimmed: the longest row without its last token
+    assert out["0"][1] == [n_real]
+    assert out["1"][1] == [int(lengths.clamp(max=width).sum())]  # padded layout of that width
+    torch.testing.assert_close(out["1"][0], out["0"][0], atol=1e-5, rtol=1e-5)
