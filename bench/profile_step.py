@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--sft-steps", type=int, default=300)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-operand", type=int, default=9)
     p.add_argument("--decode", action="store_true", help="also profile one decode run")
     p.add_argument("--no-trl", action="store_true")
