@@ -305,7 +305,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--eval-tasks", type=int, default=2048, help="held-out tasks (one sampled answer each)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=2, help="runs per side, alternated; best")
+    p.add_argument("--repeats", type=int, default=5, help="runs per side, alternated; best")
     p.add_argument(
         "--trl-no-grad-ckpt",
         action="store_true",
