@@ -354,13 +354,14 @@ class LeanForward:
         sin = sin_t[position_ids].unsqueeze(2)
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         gqa = nkv != nh
-        decode = cache is not None and C == 1 and not gqa
+        step = cache is not None and C == 1  # a one-token decode step
+        decode = step and not gqa  # per-row / shared-prefix decode attention (no GQA)
         # Fused Q/K/V and gate/up weights pay without autograd (cached); under autograd the
         # cat and its backward (a zero-filled slice per weight) cost more than they save.
         fuse = not (torch.is_grad_enabled() and inner.embed_tokens.weight.requires_grad)
         shared_attn = _flag("GYRE_SHARED_ATTN")
-        if cache is not None and not (decode and shared_attn):
-            ungroup_cache(cache)  # the grouped layout serves one-token, non-GQA decode only
+        if cache is not None and not (step and shared_attn):
+            ungroup_cache(cache)  # the grouped layout serves one-token decode steps only
         elif cache is not None:
             group = getattr(cache.layers[0], "_gyre_group", None)
             if group is not None and group.steps >= GROUP_MAX_STEPS:
@@ -380,7 +381,7 @@ class LeanForward:
                 q = _rope(_lin(h, qp).view(B, C, nh, hd), cos, sin).transpose(1, 2)
                 k = _rope(_lin(h, kp).view(B, C, nkv, hd), cos, sin).transpose(1, 2)
                 v = _lin(h, vp).view(B, C, nkv, hd).transpose(1, 2)
-            group = getattr(cache.layers[li], "_gyre_group", None) if decode else None
+            group = getattr(cache.layers[li], "_gyre_group", None) if step else None
             if group is None and cache is not None:
                 k, v = _append_kv(cache.layers[li], k, v)
             pre = getattr(cache.layers[li], "_gyre_prefix", None) if decode else None
@@ -622,7 +623,8 @@ class _Group:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, prefix: int, G: int) -> None:
         self.keys, self.values = keys, values  # (U, H, L0 + G * cap, D)
         self.prefix, self.G, self.steps = prefix, G, 0
-        self.mask: torch.Tensor | None = None  # (U, H, G, width) additive, built at 1st step
+        self.rep = 1  # query heads per key/value head (set by every step)
+        self.mask: torch.Tensor | None = None  # (U, H, rep*G, width) additive, 1st step
 
     @classmethod
     def fork(cls, keys: torch.Tensor, values: torch.Tensor, G: int, cap: int = 16) -> _Group:
@@ -654,17 +656,19 @@ class _Group:
             self.mask = self._build_mask(self.mask[:, 0, 0, : self.prefix])
 
     def _build_mask(self, prefix_mask: torch.Tensor) -> torch.Tensor:
-        """(U, H, G, width) additive mask from the prompt's (U, L0) additive mask."""
+        """(U, H, rep x G, width) additive mask from the prompt's (U, L0) additive mask: query
+        row ``r * G + g`` (query head r of a key/value head, sample g) sees the prompt and
+        sample g's own columns."""
         U, H, width, _ = self.keys.shape
-        G, L0 = self.G, self.prefix
+        G, L0, rep = self.G, self.prefix, self.rep
         cap = (width - L0) // G
-        own = torch.eye(G, dtype=torch.bool, device=self.keys.device).repeat(1, cap)  # (G, G*cap)
+        own = torch.eye(G, dtype=torch.bool, device=self.keys.device).repeat(rep, cap)
         neg = torch.finfo(prefix_mask.dtype).min
-        own_add = torch.where(own, 0.0, neg).to(prefix_mask.dtype)
-        m = torch.empty(U, G, width, dtype=prefix_mask.dtype, device=prefix_mask.device)
+        own_add = torch.where(own, 0.0, neg).to(prefix_mask.dtype)  # (rep*G, G*cap)
+        m = torch.empty(U, rep * G, width, dtype=prefix_mask.dtype, device=prefix_mask.device)
         m[:, :, :L0] = prefix_mask[:, None, :]
         m[:, :, L0:] = own_add[None]
-        return m[:, None].expand(U, H, G, width).contiguous()
+        return m[:, None].expand(U, H, rep * G, width).contiguous()
 
     def attend(
         self,
@@ -674,12 +678,17 @@ class _Group:
         mask: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """Append this step's (B, H, 1, D) keys/values, attend (B, H, 1, D) queries; returns
-        (B, 1, H*D). ``mask`` is the engine's (B, 1, 1, K) additive mask (its prompt columns
-        give each group's prompt padding, read once)."""
-        B, H, _, D = q.shape
+        """Append this step's (B, Hkv, 1, D) keys/values, attend (B, Hq, 1, D) queries; returns
+        (B, 1, Hq*D). ``mask`` is the engine's (B, 1, 1, K) additive mask (its prompt columns
+        give each group's prompt padding, read once). Grouped-query attention (Hq = rep x Hkv,
+        query head h reading key/value head h // rep) stacks a key/value head's rep query
+        heads and G samples into one (rep x G)-row matmul."""
+        B, Hq, _, D = q.shape
+        H = k.shape[1]
+        rep = Hq // H
         G, L0 = self.G, self.prefix
         U = B // G
+        self.rep = rep  # before _grow: it rebuilds the mask
         if self.steps >= self.capacity:
             self._grow()
         if self.mask is None:
@@ -690,13 +699,14 @@ class _Group:
         self.steps += 1
         K = c + G
         width = self.keys.shape[2]
-        qg = q.reshape(U, G, H, D).transpose(1, 2).reshape(U * H, G, D)
+        R = rep * G  # query rows per (group, key/value head)
+        qg = q.reshape(U, G, H, rep, D).permute(0, 2, 3, 1, 4).reshape(U * H, R, D)
         keys = self.keys.view(U * H, width, D)[:, :K]
         s = torch.baddbmm(
-            self.mask.view(U * H, G, width)[:, :, :K], qg, keys.transpose(1, 2), alpha=scale
+            self.mask.view(U * H, R, width)[:, :, :K], qg, keys.transpose(1, 2), alpha=scale
         )
         o = torch.bmm(_softmax(s), self.values.view(U * H, width, D)[:, :K])
-        return o.view(U, H, G, D).transpose(1, 2).reshape(B, 1, H * D)
+        return o.view(U, H, rep, G, D).permute(0, 3, 1, 2, 4).reshape(B, 1, Hq * D)
 
     def standard(
         self, steps: int | None = None

@@ -506,16 +506,27 @@ def test_fused_weights_follow_in_place_updates_that_keep_versions(tokenizer, mak
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-bias-untied-llama3rope", "qwen2"])
-def test_engine_forked_groups_on_gqa_models(name):
-    """Grouped-query attention does not use the grouped decode layout: a fork made for it is
-    written back to rows before the first decode step; tokens and log-probs equal the HF
+def test_engine_forked_groups_on_gqa_models(name, monkeypatch):
+    """Grouped-query attention decodes forked groups in the grouped layout too (a key/value
+    head's query heads and samples in one matmul); tokens and log-probs equal the HF
     forward's."""
+    import gyre.lean as lean_mod
+
     model = _sharp(copy.deepcopy(MODELS[name]), seed=5)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 61, (n,), generator=g).tolist() for n in (9, 12)]
     reqs = [GenerationRequest(p, seed=10 * k + j) for k, p in enumerate(prompts) for j in range(3)]
-    params = SamplingParams(1.0, 1.0, 6, ())
+    params = SamplingParams(1.0, 1.0, 20, ())  # past the group's first capacity (16 steps)
+    reps = []
+    real = lean_mod._Group.attend
+
+    def attend(self, q, k, *a, **kw):
+        reps.append(q.shape[1] // k.shape[1])
+        return real(self, q, k, *a, **kw)
+
+    monkeypatch.setattr(lean_mod._Group, "attend", attend)
     lean = TorchEngine(copy.deepcopy(model), 0).generate(reqs, params)
+    assert reps and set(reps) == {2}  # 4 query heads on 2 key/value heads, grouped
     hf = TorchEngine(copy.deepcopy(model), 0, lean_forward=False).generate(reqs, params)
     for a, b in zip(lean, hf, strict=True):
         assert a.token_ids == b.token_ids
