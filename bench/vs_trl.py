@@ -116,12 +116,6 @@ def evaluate_rewards(
     return [float(t.reward) for t in trajs]
 
 
-def evaluate_reward(
-    model: torch.nn.Module, tok: Any, tasks: int, max_new: int, max_operand: int
-) -> float:
-    return float(np.mean(evaluate_rewards(model, tok, tasks, max_new, max_operand)))
-
-
 def reward_verdict(gyre: Sequence[float], trl: Sequence[float]) -> dict[str, Any]:
     """Paired comparison of two models' held-out rewards on the same tasks: the mean
     difference gyre - TRL, its standard error, and a verdict: "better" / "worse" when the
@@ -344,8 +338,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         base = create_tiny_checkpoint(ModelConfig(), work / "tiny", args.seed)
         warm = warm_start(base, work / "warm", args.sft_steps, args.seed, args.max_operand)
         model, _ = load_pretrained(warm, torch.device("cpu"))
-        start_reward = evaluate_reward(
-            model, _, args.eval_tasks, args.max_new_tokens, args.max_operand
+        start_reward = float(
+            np.mean(
+                evaluate_rewards(model, _, args.eval_tasks, args.max_new_tokens, args.max_operand)
+            )
         )
         g_runs, t_runs = [], []
         for _ in range(args.repeats):  # alternated, so background load hits both sides alike

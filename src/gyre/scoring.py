@@ -420,9 +420,8 @@ def plan_tree(
     per_pos, per_pair = _cost_terms(model)
     n = sum(lengths)
     if cost > TREE_MIN_SAVING * (n * per_pos + n * max(lengths) * per_pair):
-        if callable(other):
-            other = other()
-        if cost > TREE_MIN_SAVING * _layout_cost(model, *other):
+        other_cost = _layout_cost(model, *(other() if callable(other) else other))
+        if cost > TREE_MIN_SAVING * other_cost:
             return None  # decided before any (R, W, W) mask is built
     return tree_pack(rows, pad_token_id, input_ids.device, layout)
 
@@ -522,8 +521,7 @@ def chunked_token_logprobs(
     tree = None
     if lean is not None and opts.share_prefix and B_in > 1:
         tree = plan_tree(model, ids_in, lengths, pad_token_id, plain_or_packed)
-    other = plain_or_packed() if tree is None else (B_in, T_in)
-    if tree is None and other != (B_in, T_in):
+    if tree is None and plain_or_packed() != (B_in, T_in):
         packed = pack_rows(ids_in, lengths, pad_token_id)
     if tree is not None:
         assert lean is not None
