@@ -1,0 +1,111 @@
+"""Golden runs: the metrics of two short runs, recorded before a refactor and compared after.
+
+``python tests/golden/record.py`` (re)writes ``tests/golden/*.json`` from the current code;
+``tests/integration/test_golden.py`` runs the same configs and asserts every metric and every
+weight is bitwise equal. Re-record only for a change that is *meant* to alter numerics, and say
+so in the commit.
+
+Both runs use ``run.threads=1`` (the two-thread update is not bitwise reproducible run to run).
+Timings (``time/*``, ``perf/*``, any ``*_s``) and wall clocks are left out; everything else in
+``sft_metrics.jsonl`` and ``metrics.jsonl`` is kept, floats as ``float.hex`` so the comparison is
+exact. The final weights are hashed tensor by tensor (sha256 of the raw bytes, sorted by name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+# name -> (config file or None for the built-in default, overrides)
+RUNS: dict[str, tuple[str | None, list[str]]] = {
+    "maze": (
+        None,
+        ["sft.steps=3", "sft.demos=200", "train.steps=3", "eval.episodes=40", "eval.every=2",
+         "checkpoint.every=2", "checkpoint.sft_every=0", "sft.lr=0.01"],
+    ),
+    "arithmetic": (
+        "examples/arithmetic/config.yaml",
+        ["sft.steps=100", "sft.demos=400", "train.steps=5", "eval.episodes=40", "eval.every=2",
+         "checkpoint.every=0", "train.kl_coef=0.01"],
+    ),
+    # beyond the issue's two: the value model (GAE critic), and LoRA with DAPO dynamic sampling
+    "arithmetic_gae": (
+        "examples/arithmetic/config.yaml",
+        ["sft.steps=100", "sft.demos=400", "train.steps=3", "eval.episodes=20", "eval.every=0",
+         "checkpoint.every=0", "train.algo.advantage=gae"],
+    ),
+    "arithmetic_lora": (
+        "examples/arithmetic/config.yaml",
+        ["sft.steps=100", "sft.demos=400", "train.steps=3", "eval.episodes=20", "eval.every=0",
+         "checkpoint.every=0", "model.lora.rank=4", "train.lr=0.003",
+         "train.dapo.dynamic_sampling=true", "train.kl_coef=0.01"],
+    ),
+}
+_SKIP_PREFIXES = ("time/", "perf/")
+
+
+def _exact(v: Any) -> Any:
+    if isinstance(v, float):
+        return v.hex()
+    if isinstance(v, dict):
+        return {k: _exact(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_exact(x) for x in v]
+    return v
+
+
+def _metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        rows.append({k: _exact(v) for k, v in sorted(row.items())
+                     if not k.startswith(_SKIP_PREFIXES) and not k.endswith("_s")
+                     and k not in ("wall_time", "time")})
+    return rows
+
+
+def weights_digest(folder: Path) -> dict[str, str]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, t in sorted(load_file(str(f)).items()):
+            out[name] = hashlib.sha256(t.contiguous().view(-1).view(dtype=__import__("torch").uint8)
+                                       .numpy().tobytes()).hexdigest()[:16]
+    return out
+
+
+def golden_run(name: str, run_dir: Path) -> dict[str, Any]:
+    """Run ``name`` into ``run_dir`` and return its golden record."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from gyre.cli import main
+
+    path, overrides = RUNS[name]
+    args = ["train"] + ([str(ROOT / path)] if path else []) + overrides + [
+        f"run.dir={run_dir}", "run.threads=1", "log.console=off"]
+    rc = main(args)
+    if rc not in (0, None):
+        raise RuntimeError(f"golden run {name} exited {rc}")
+    return {
+        "args": args[1:-3],
+        "sft_metrics": _metrics(run_dir / "sft_metrics.jsonl"),
+        "metrics": _metrics(run_dir / "metrics.jsonl"),
+        "final_weights": weights_digest(run_dir / "final"),
+    }
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or list(RUNS):
+        with tempfile.TemporaryDirectory() as d:
+            rec = golden_run(name, Path(d) / "run")
+        (HERE / f"{name}.json").write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
+        print(f"{name}: {len(rec['metrics'])} metric rows, {len(rec['final_weights'])} tensors")
