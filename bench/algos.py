@@ -44,11 +44,11 @@ from gyre.algos.losses import kl_k3
 from gyre.config import load_config
 from gyre.engines import TorchEngine
 from gyre.envs import env_factory
-from gyre.evaluate import eval_seeds
 from gyre.loop import base_model_path, run_sft, setup, train
-from gyre.model import load_pretrained
-from gyre.policy import collate, token_logprobs
-from gyre.rollout import run_episodes, stop_ids
+from gyre.models.build import load_pretrained
+from gyre.rollout.episodes import run_episodes, stop_ids
+from gyre.rollout.evaluate import eval_seeds
+from gyre.trainer.batch import collate, token_logprobs
 from gyre.types import SamplingParams
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "algorithms.md"

@@ -24,7 +24,7 @@ def _work(q: mp.Queue) -> None:  # type: ignore[type-arg]
     import torch
 
     from gyre.config import ModelConfig
-    from gyre.model import build_char_tokenizer, build_tiny_model
+    from gyre.models.build import build_char_tokenizer, build_tiny_model
 
     torch.set_num_threads(1)
     model = build_tiny_model(ModelConfig(), build_char_tokenizer(), 0)

@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gyre.config import EngineConfig, LoraConfig, ModelConfig
 from gyre.engines import TorchEngine, WeightSync
 from gyre.engines.http_engine import HttpEngine
-from gyre.lora import apply_lora
-from gyre.model import (
+from gyre.models.build import (
     count_parameters,
     create_tiny_checkpoint,
     load_pretrained,
 )
+from gyre.models.lora import apply_lora
 from gyre.types import GenerationRequest, SamplingParams
 from serve_helpers import start_server
 

@@ -43,7 +43,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_trl
 from gyre.config import ModelConfig
-from gyre.model import create_tiny_checkpoint
+from gyre.models.build import create_tiny_checkpoint
 
 
 class Phases:
@@ -114,7 +114,7 @@ def _untimed_eval(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def profile_gyre(path: Path, args: argparse.Namespace) -> dict[str, float]:
-    import gyre.update as upd
+    import gyre.trainer.update as upd
 
     ph = Phases()
     saved = vs_trl.evaluate_rewards
@@ -166,7 +166,7 @@ def profile_decode(path: Path) -> dict[str, Any]:
     HF ``generate``; the same 8 prompts x G = 8 x 32 tokens as bench/rollout.py."""
     import rollout as rb
     from gyre.engines import TorchEngine
-    from gyre.model import load_pretrained
+    from gyre.models.build import load_pretrained
     from gyre.types import GenerationRequest, SamplingParams
 
     model, tok = load_pretrained(path, torch.device("cpu"))

@@ -70,11 +70,11 @@ def _wrap(owner: Any, attr: str, name: str) -> None:
 
 def _instrument() -> None:
     import gyre.loop
-    import gyre.update
+    import gyre.trainer.update
 
     _wrap(gyre.loop, "collate", "train: collate")
     _wrap(gyre.loop, "batch_advantages", "train: advantages")
-    fwd = gyre.update.policy_forward
+    fwd = gyre.trainer.update.policy_forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         # prepare_batch's forward runs under no_grad: that is the old-logprob recompute
@@ -83,7 +83,7 @@ def _instrument() -> None:
         with _clock(name):
             return fwd(*args, **kwargs)
 
-    gyre.update.policy_forward = forward
+    gyre.trainer.update.policy_forward = forward
     _wrap(torch.Tensor, "backward", "train: backward")
     _wrap(torch.nn.utils, "clip_grad_norm_", "train: grad clip")
     _wrap(torch.optim.AdamW, "step", "train: optimizer step")

@@ -18,7 +18,8 @@ Scenario 2, "multi-turn maze episodes": E maze tasks (``MazeEnv`` defaults) time
 each, with an untrained model, so most episodes run until the move budget. Each turn samples
 at most 4 tokens and stops at a newline or EOS.
 
-- gyre: ``gyre.rollout.run_episodes`` (the engine keeps each episode's KV cache between turns
+- gyre: ``gyre.rollout.episodes.run_episodes`` (the engine keeps each episode's KV cache between
+  turns
   and prefills only the new observation).
 - HF: the same loop written the way a ``generate`` user would: every turn, one
   ``model.generate`` call on the full token sequences of all active episodes (left-padded, no
@@ -70,8 +71,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from gyre.config import ModelConfig
 from gyre.engines import TorchEngine
 from gyre.envs import MazeEnv
-from gyre.model import CHARSET, count_parameters, create_tiny_checkpoint, load_pretrained
-from gyre.rollout import RolloutStats, encode_obs, prompt_ids, run_episodes, stop_ids
+from gyre.models.build import CHARSET, count_parameters, create_tiny_checkpoint, load_pretrained
+from gyre.rollout.episodes import RolloutStats, encode_obs, prompt_ids, run_episodes, stop_ids
 from gyre.types import GenerationRequest, SamplingParams
 
 TEMPERATURE = 1.0

@@ -89,8 +89,8 @@ def point_train(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from gyre.config import ModelConfig
-    from gyre.policy import collate
-    from gyre.trainer import GRPOSettings, grpo_update
+    from gyre.trainer.batch import collate
+    from gyre.trainer.sft import GRPOSettings, grpo_update
     from gyre.types import Trajectory
 
     mc = ModelConfig()
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.vocab == 0:
-        from gyre.model import build_char_tokenizer
+        from gyre.models.build import build_char_tokenizer
 
         args.vocab = len(build_char_tokenizer())
     if args.point:

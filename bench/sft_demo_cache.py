@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
+from gyre.checkpoint.resume import cached
 from gyre.config import load_config
 from gyre.envs import env_factory
-from gyre.evaluate import train_seed
-from gyre.model import build_char_tokenizer
-from gyre.resilience import cached
-from gyre.rollout import demonstrate
+from gyre.models.build import build_char_tokenizer
+from gyre.rollout.episodes import demonstrate
+from gyre.rollout.evaluate import train_seed
 
 
 def main() -> None:

@@ -62,10 +62,10 @@ from gyre.algos import get_advantage_fn
 from gyre.config import ModelConfig
 from gyre.engines import TorchEngine
 from gyre.envs import ArithmeticEnv
-from gyre.model import count_parameters, create_tiny_checkpoint, load_pretrained
-from gyre.policy import collate
-from gyre.rollout import demonstrate, run_episodes, stop_ids
-from gyre.trainer import GRPOSettings, grpo_update, sft_step
+from gyre.models.build import count_parameters, create_tiny_checkpoint, load_pretrained
+from gyre.rollout.episodes import demonstrate, run_episodes, stop_ids
+from gyre.trainer.batch import collate
+from gyre.trainer.sft import GRPOSettings, grpo_update, sft_step
 from gyre.types import SamplingParams
 
 

@@ -28,7 +28,7 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from gyre.model import build_char_tokenizer
+    from gyre.models.build import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -49,7 +49,7 @@ def make_tiny_model(tokenizer) -> Callable[..., torch.nn.Module]:
     (entropy ~2 nats instead of ~ln(vocab)), which makes logprob and top-p checks meaningful.
     """
     from gyre.config import ModelConfig
-    from gyre.model import build_tiny_model
+    from gyre.models.build import build_tiny_model
 
     def make(seed: int = 0, sharp: bool = False) -> torch.nn.Module:
         model = build_tiny_model(ModelConfig(**TINY_DIMS), tokenizer, seed)

@@ -75,7 +75,7 @@ class RecordingEngine:
 def dp_batch(model: torch.nn.Module, n: int = 8, seed: int = 0):
     """``n`` trajectories of unequal lengths whose rollout logprobs are ``model``'s own
     (ratio 1), with advantages that sum to zero: a batch for data-parallel update checks."""
-    from gyre.policy import collate, token_logprobs
+    from gyre.trainer.batch import collate, token_logprobs
     from gyre.types import Trajectory
 
     g = torch.Generator().manual_seed(seed)
@@ -117,10 +117,10 @@ def dp_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> N
     import torch.distributed as dist
 
     from gyre.algos import LOSS_AGGREGATIONS
-    from gyre.distributed import TorchCollective
-    from gyre.model import load_pretrained
-    from gyre.policy import collate
-    from gyre.update import GRPOSettings, policy_update
+    from gyre.models.build import load_pretrained
+    from gyre.trainer.batch import collate
+    from gyre.trainer.distributed import TorchCollective
+    from gyre.trainer.update import GRPOSettings, policy_update
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -149,10 +149,10 @@ def fsdp2_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -
     import torch.distributed as dist
 
     from gyre.algos import LOSS_AGGREGATIONS
-    from gyre.distributed import FSDPCollective, shard_fsdp2
-    from gyre.model import load_pretrained
-    from gyre.policy import collate
-    from gyre.update import GRPOSettings, policy_update
+    from gyre.models.build import load_pretrained
+    from gyre.trainer.batch import collate
+    from gyre.trainer.distributed import FSDPCollective, shard_fsdp2
+    from gyre.trainer.update import GRPOSettings, policy_update
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -114,7 +114,7 @@ def _add_submit(sub: Any) -> None:
 
 
 def _submit(ns: argparse.Namespace) -> int:
-    from gyre.runners.ray_submit import submit
+    from gyre.runners.submit import submit
 
     args = list(ns.args)
     config = args.pop(0) if args and "=" not in args[0] else None
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return report_main(argv[1:])
     if argv and argv[0] in ("serve", "export"):  # these take paths and flags, not config keys
-        from gyre import export, server
+        from gyre.commands import export
+        from gyre.engines import server
 
         return {"serve": server.main, "export": export.main}[argv[0]](argv[1:])
     try:
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from gyre import loop
 
     if ns.command == "verify-resume":
-        from gyre.verify import verify_resume
+        from gyre.commands.verify_resume import verify_resume
 
         raw = list(ns.args)
         report = verify_resume(
@@ -171,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(report.summary())
         return 0 if report.ok else 1
-    from gyre.checkpoint import CheckpointError
-    from gyre.resilience import EXIT_FAULTS, EXIT_PREEMPTED, FaultAbort, Preempted
+    from gyre.checkpoint.resume import EXIT_FAULTS, EXIT_PREEMPTED, FaultAbort, Preempted
+    from gyre.checkpoint.store import CheckpointError
 
     try:
         if ns.command == "submit":
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             run_dir, device = loop.setup(cfg)
             from gyre.engines import TorchEngine
-            from gyre.model import load_pretrained
+            from gyre.models.build import load_pretrained
 
             model, tok = load_pretrained(Path(cfg.model.path), device)
             res = loop.run_eval(cfg, TorchEngine(model, tok.pad_token_id, cfg.run.seed), tok)

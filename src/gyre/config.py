@@ -249,7 +249,7 @@ class TrainConfig(_Section):
     lean_forward: bool = Field(
         True,
         description="Trainer scoring through the lean forward for Llama/Mistral/Qwen2 "
-        "(gyre.lean); false = the HF forward (GYRE_LEAN=0 turns it off everywhere).",
+        "(gyre.models.lean); false = the HF forward (GYRE_LEAN=0 turns it off everywhere).",
     )
     share_prefix: bool = Field(
         True,
@@ -300,7 +300,8 @@ class EngineConfig(_Section):
     sync_keep: int = Field(2, ge=1, description="Synced versions kept on disk.")
     lean_forward: bool = Field(
         True,
-        description="torch engine: lean forward for Llama/Mistral/Qwen2 (gyre.lean); false = HF.",
+        description="torch engine: lean forward for Llama/Mistral/Qwen2 (gyre.models.lean); "
+        "false = HF.",
     )
     weight_sync: Literal["memory", "disk", "shared"] = Field(
         "memory",

@@ -28,19 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gyre import scoring
-from gyre.checkpoint import load_into, write_file_atomically, write_model_dir
-from gyre.config import Config, dump_config, resolve_run_dir
-from gyre.critic import ValueModel
-from gyre.dapo import apply_overlong, sample_groups
-from gyre.engines import TorchEngine, build_engine, initial_sync
-from gyre.envs import env_factory
-from gyre.envs.base import Env
-from gyre.evaluate import evaluate, train_seed
-from gyre.lora import AdapterDisabled, load_policy, trainable_parameters
-from gyre.model import create_tiny_checkpoint, load_pretrained, resolve_device
-from gyre.policy import collate
-from gyre.resilience import (
+from gyre.checkpoint.resume import (
     Checkpointer,
     FaultAbort,
     ResumePlan,
@@ -50,13 +38,25 @@ from gyre.resilience import (
     preempt_if_requested,
     rewind_metrics,
 )
+from gyre.checkpoint.store import load_into, write_file_atomically, write_model_dir
+from gyre.config import Config, dump_config, resolve_run_dir
+from gyre.engines import TorchEngine, build_engine, initial_sync
+from gyre.envs import env_factory
+from gyre.envs.base import Env
+from gyre.models.build import create_tiny_checkpoint, load_pretrained, resolve_device
+from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters
 from gyre.rewards import build_rewarder
-from gyre.rollout import RolloutStats, demonstrate, run_episodes, stop_ids
+from gyre.rollout.dapo import apply_overlong, sample_groups
+from gyre.rollout.episodes import RolloutStats, demonstrate, run_episodes, stop_ids
+from gyre.rollout.evaluate import evaluate, train_seed
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
 from gyre.telemetry.factory import build_telemetry
-from gyre.trainer import sft_step
+from gyre.trainer import scoring
+from gyre.trainer.batch import collate
+from gyre.trainer.critic import ValueModel
+from gyre.trainer.sft import sft_step
+from gyre.trainer.update import batch_advantages, policy_update, prepare_batch, settings_from_config
 from gyre.types import SamplingParams, Trajectory
-from gyre.update import batch_advantages, policy_update, prepare_batch, settings_from_config
 
 STREAM_SFT, STREAM_GRPO = 1, 2
 
@@ -151,8 +151,13 @@ def run_sft(
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
     make_env = env_factory(cfg.env)
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
-    demo_key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
-                "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab()}
+    demo_key = {
+        "seed": cfg.run.seed,
+        "env": cfg.env.model_dump(),
+        "n": cfg.sft.demos,
+        "noise": cfg.sft.noise,
+        "vocab": tokenizer.get_vocab(),
+    }
     demos = cached(
         run_dir / "sft_demos.pt",
         demo_key,
@@ -240,7 +245,7 @@ def update_phase(
     """Phases 3-4: collate, (DAPO overlong shaping,) advantages and the policy update.
 
     Under data parallelism ``trajs`` is this rank's shard of whole groups and ``comm`` (see
-    ``gyre.distributed``) makes the loss weights global and sums the gradients over ranks.
+    ``gyre.trainer.distributed``) makes the loss weights global and sums the gradients over ranks.
     """
     m = {} if metrics is None else metrics
     device = next(model.parameters()).device
@@ -322,7 +327,7 @@ def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """SFT (if ``sft.steps``) then GRPO for ``train.steps``; returns the run summary.
 
     Resumable from any kill (see docs/operations.md); SIGTERM/SIGINT stop at the end of the
-    current step with a checkpoint and raise :class:`gyre.resilience.Preempted`.
+    current step with a checkpoint and raise :class:`gyre.checkpoint.resume.Preempted`.
     """
     if cfg.runner != "local":  # distribution is the runner's concern; this module stays Ray-free
         from gyre.runners import get_runner

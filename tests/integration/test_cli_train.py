@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gyre.checkpoint import list_checkpoints
+from gyre.checkpoint.store import list_checkpoints
 from gyre.cli import main
 
 TINY = [

@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gyre.cli import main
+from gyre.commands.export import export_run
 from gyre.config import load_config
 from gyre.engines.http_engine import HttpEngine
-from gyre.export import export_run
 from gyre.loop import train
-from gyre.lora import load_adapter_into
+from gyre.models.lora import load_adapter_into
 from gyre.telemetry import MetricsSink
 from gyre.types import GenerationRequest, SamplingParams
 from serve_helpers import start_server
@@ -288,7 +288,7 @@ def test_sft_in_the_same_run_is_pushed_to_the_server_first(tmp_path):
     """The server starts on the untrained init weights; the run's SFT output reaches it through
     update_weights_from_disk before the first rollout, so step 1's logprobs already match."""
     from gyre.config import ModelConfig
-    from gyre.model import create_tiny_checkpoint
+    from gyre.models.build import create_tiny_checkpoint
 
     run_dir = tmp_path / "run"
     dims = ModelConfig(hidden_size=32, num_layers=2, intermediate_size=64)

@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file
 
 import gyre.loop
-import gyre.trainer
-from gyre.checkpoint import CheckpointStore, set_fault_hook, verify_dir
+import gyre.trainer.sft
+from gyre.checkpoint.resume import EXIT_ABORTED, EXIT_FAULTS, EXIT_PREEMPTED, Preempted
+from gyre.checkpoint.store import CheckpointStore, set_fault_hook, verify_dir
 from gyre.cli import main
+from gyre.commands.verify_resume import _ForkProc, compare_runs, verify_resume
 from gyre.config import load_config
-from gyre.resilience import EXIT_ABORTED, EXIT_FAULTS, EXIT_PREEMPTED, Preempted
-from gyre.verify import _ForkProc, compare_runs, verify_resume
 
 TINY = [
     "model.hidden_size=32",
@@ -403,7 +403,7 @@ def flaky_env(monkeypatch):
 
 def test_env_exceptions_counted_logged_and_tolerated(flaky_env, tmp_path, caplog):
     run_dir = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="gyre.rollout"):
+    with caplog.at_level(logging.WARNING, logger="gyre.rollout.episodes"):
         assert _train(run_dir, "sft.steps=0", "train.steps=2", "faults.max_failed_fraction=0.5",
                       "eval.episodes=0") == 0
     recs = [r for r in _lines(run_dir / "metrics.jsonl") if "train/loss" in r]

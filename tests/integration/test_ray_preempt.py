@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from gyre.checkpoint import GRPO_PREFIX
-from gyre.resilience import EXIT_PREEMPTED
+from gyre.checkpoint.resume import EXIT_PREEMPTED
+from gyre.checkpoint.store import GRPO_PREFIX
 
 STEPS, TASKS, GROUP = 12, 2, 2
 

@@ -185,7 +185,7 @@ class _KillAt:
 def test_killed_rollout_worker_is_replaced_and_no_trajectory_is_lost(
     ray_cluster, warm_model, tmp_path
 ):
-    from gyre.runners.ray_runner import actor_prefix
+    from gyre.runners.ray import actor_prefix
 
     d = tmp_path / "kill"
     cfg = _cfg(d, warm_model, "ray.mode=one-step-off", "train.steps=4", "eval.episodes=0")
@@ -203,7 +203,7 @@ def test_killed_rollout_worker_is_replaced_and_no_trajectory_is_lost(
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("GYRE_SLOW") != "1", reason="slow: set GYRE_SLOW=1")
 def test_trainer_failure_restarts_from_checkpoint(ray_cluster, warm_model, tmp_path):
-    from gyre.runners.ray_runner import actor_prefix
+    from gyre.runners.ray import actor_prefix
 
     d = tmp_path / "tkill"
     cfg = _cfg(d, warm_model, "train.steps=4", "checkpoint.every=1", "eval.episodes=0")

@@ -100,7 +100,7 @@ def test_gyre_submit_runs_a_ray_job_on_a_local_head(ray_head, tmp_path, capsys):
 
 
 def test_submit_refuses_a_config_outside_the_working_dir(tmp_path):
-    from gyre.runners.ray_submit import build_job
+    from gyre.runners.submit import build_job
 
     (tmp_path / "w").mkdir()
     (tmp_path / "c.yaml").write_text("train: {steps: 1}\n")

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from gyre.lora import load_adapter_into
+from gyre.models.lora import load_adapter_into
 from serve_helpers import start_server
 
 KEY = "sk-test-key"
@@ -281,8 +281,8 @@ def test_multi_turn_maze_rollout_over_http_is_token_exact(served, tokenizer):
     from gyre.config import EnvConfig
     from gyre.engines.http_engine import HttpEngine
     from gyre.envs import env_factory
-    from gyre.policy import collate, token_logprobs
-    from gyre.rollout import run_episodes, stop_ids
+    from gyre.rollout.episodes import run_episodes, stop_ids
+    from gyre.trainer.batch import collate, token_logprobs
     from gyre.types import SamplingParams
 
     srv, model, _ = served

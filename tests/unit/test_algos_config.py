@@ -10,7 +10,7 @@ import pytest
 
 from gyre.algos import ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES
 from gyre.config import AlgoConfig, ConfigError, TrainConfig, load_config
-from gyre.update import GRPOSettings, settings_from_config
+from gyre.trainer.update import GRPOSettings, settings_from_config
 
 
 def test_defaults_are_the_original_grpo_update():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gyre
-from gyre.checkpoint import (
+from gyre.checkpoint.store import (
     MANIFEST_FILE,
     STATE_FILE,
     CheckpointError,
@@ -77,7 +77,7 @@ def test_find_resume_newest_broken_falls_back_with_warning(tmp_path, caplog):
     _fake(tmp_path, "step_000011", manifest=False)  # killed before its manifest
     broken = _fake(tmp_path, "step_000012")
     (broken / STATE_FILE).write_text(json.dumps({"step": 7}))  # same size, other bytes
-    with caplog.at_level(logging.WARNING, logger="gyre.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gyre.checkpoint.store"):
         assert find_resume(tmp_path, "auto").name == "step_000010"
     text = caplog.text
     assert "step_000012" in text and "sha256 mismatch" in text
@@ -269,7 +269,7 @@ def test_config_mismatch_lists_fields(tmp_path):
 
 
 def test_model_mismatch_lists_fields(tmp_path, tiny_cfg):
-    from gyre.model import create_tiny_checkpoint
+    from gyre.models.build import create_tiny_checkpoint
 
     a = create_tiny_checkpoint(tiny_cfg, tmp_path / "a", seed=0)
     b = create_tiny_checkpoint(tiny_cfg.model_copy(update={"num_layers": 3}), tmp_path / "b", 0)

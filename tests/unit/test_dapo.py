@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gyre.config import DapoConfig, SamplingConfig
-from gyre.dapo import apply_overlong, mask_truncated, overlong_penalty, sample_groups
-from gyre.policy import collate
+from gyre.rollout.dapo import apply_overlong, mask_truncated, overlong_penalty, sample_groups
+from gyre.trainer.batch import collate
 from gyre.types import Trajectory
 
 CPU = torch.device("cpu")
@@ -103,7 +103,7 @@ def test_rollout_marks_truncated_episodes(make_tiny_model, tokenizer):
     from gyre.config import EnvConfig
     from gyre.engines import TorchEngine
     from gyre.envs import env_factory
-    from gyre.rollout import run_episodes, stop_ids
+    from gyre.rollout.episodes import run_episodes, stop_ids
     from gyre.types import SamplingParams
     from helpers import RecordingEngine
 

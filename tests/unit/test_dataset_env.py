@@ -10,7 +10,7 @@ import pytest
 from gyre.config import EnvConfig
 from gyre.envs import DatasetEnv, env_factory, load_jsonl_tasks
 from gyre.envs.dataset import EVAL_SEED_BASE as DATASET_EVAL_BASE
-from gyre.evaluate import EVAL_SEED_BASE, train_seed
+from gyre.rollout.evaluate import EVAL_SEED_BASE, train_seed
 
 
 def _write(path, rows: list) -> str:

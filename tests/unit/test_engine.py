@@ -9,8 +9,8 @@ import torch
 
 from gyre.engines import Engine, TorchEngine
 from gyre.envs.maze import MazeEnv
-from gyre.policy import collate, token_logprobs
-from gyre.rollout import run_episodes, stop_ids
+from gyre.rollout.episodes import run_episodes, stop_ids
+from gyre.trainer.batch import collate, token_logprobs
 from gyre.types import GenerationRequest, SamplingParams
 from helpers import RecordingEngine
 

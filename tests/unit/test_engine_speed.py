@@ -12,8 +12,8 @@ import torch
 
 from gyre.engines import TorchEngine
 from gyre.envs.maze import MazeEnv
-from gyre.rollout import run_episodes, stop_ids, turn_seed
-from gyre.sampling import keyed_uniforms
+from gyre.models.sampling import keyed_uniforms
+from gyre.rollout.episodes import run_episodes, stop_ids, turn_seed
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from gyre.algos import LOSS_AGGREGATIONS
-from gyre.policy import collate
-from gyre.update import GRPOSettings, policy_update
+from gyre.trainer.batch import collate
+from gyre.trainer.update import GRPOSettings, policy_update
 from helpers import dp_batch, fsdp2_rank, spawn_two_ranks
 
 
 def test_two_fsdp2_cpu_ranks_equal_one_process(tmp_path, make_tiny_model, tokenizer):
     model = make_tiny_model(seed=3)
     spawn_two_ranks(fsdp2_rank, tmp_path, model, tokenizer)
-    from gyre.model import load_pretrained
+    from gyre.models.build import load_pretrained
 
     got = torch.load(tmp_path / "fsdp2.pt")
     for agg in LOSS_AGGREGATIONS:

@@ -1,4 +1,5 @@
-"""The lean forward (gyre.lean) equals the Hugging Face forward: logits (prefill, cached decode,
+"""The lean forward (gyre.models.lean) equals the Hugging Face forward: logits (prefill, cached
+decode,
 packed, tree-packed), engine tokens and log-probs, training log-probs and gradients; and it
 falls back, saying why, for anything it does not implement."""
 
@@ -20,10 +21,10 @@ from transformers import (
 )
 
 from gyre.engines import TorchEngine
-from gyre.lean import LeanForward, _append_kv, lean_for, unsupported_reason
-from gyre.policy import collate, token_logprobs
-from gyre.scoring import ScoringOptions, pack_rows, plan_tree, tree_pack
-from gyre.trainer import GRPOSettings, grpo_update
+from gyre.models.lean import LeanForward, _append_kv, lean_for, unsupported_reason
+from gyre.trainer.batch import collate, token_logprobs
+from gyre.trainer.scoring import ScoringOptions, pack_rows, plan_tree, tree_pack
+from gyre.trainer.sft import GRPOSettings, grpo_update
 from gyre.types import GenerationRequest, SamplingParams, Trajectory
 
 CPU = torch.device("cpu")
@@ -301,7 +302,7 @@ def test_unsupported_models_fall_back_and_say_why(caplog):
     window = MistralForCausalLM(
         MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=4, sliding_window=4)
     )
-    with caplog.at_level(logging.WARNING, logger="gyre.lean"):
+    with caplog.at_level(logging.WARNING, logger="gyre.models.lean"):
         assert lean_for(gelu) is None
         assert lean_for(gelu) is None  # logged once
         assert lean_for(dynamic) is None
@@ -321,7 +322,7 @@ def test_shared_prefix_decode_attention_equals_per_row(tokenizer, make_tiny_mode
     """Forked group prompts are attended once per group in decode; tokens and log-probs are
     those of per-row attention (GYRE_SHARED_ATTN=0) and of the HF forward, with rows of a
     group finishing at different steps (compaction re-indexes the groups)."""
-    import gyre.lean as lean_mod
+    import gyre.models.lean as lean_mod
 
     model = make_tiny_model(seed=21, sharp=True)
     texts = ["#.A..\n#####\nu3l1>", "..A..\n.#.#.\nd1>", "12-3=456+"]
@@ -387,7 +388,7 @@ def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model,
     follow-up turns continue the parked caches: every completion equals the HF-forward engine
     generating that prompt alone."""
     import gyre.engines.torch_engine as te
-    import gyre.lean as lean_mod
+    import gyre.models.lean as lean_mod
 
     model = make_tiny_model(seed=22, sharp=True)
     texts = ["#.A..\n#####\nu3l1>", "12-3=456+", "#.A..\n#####\nu3l1>"]  # a task drawn twice
@@ -444,7 +445,7 @@ def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model,
 def test_grouped_decode_switches_to_rows_after_max_steps(tokenizer, make_tiny_model, monkeypatch):
     """Past GROUP_MAX_STEPS decode steps a grouped cache is written back to the per-row layout
     mid-decode; tokens and log-probs stay those of per-row attention."""
-    import gyre.lean as lean_mod
+    import gyre.models.lean as lean_mod
 
     model = make_tiny_model(seed=23, sharp=True)
     texts = ["#.A..\n#####\nu3l1>", "12-3=456+"]
@@ -510,7 +511,7 @@ def test_engine_forked_groups_on_gqa_models(name, monkeypatch):
     """Grouped-query attention decodes forked groups in the grouped layout too (a key/value
     head's query heads and samples in one matmul); tokens and log-probs equal the HF
     forward's."""
-    import gyre.lean as lean_mod
+    import gyre.models.lean as lean_mod
 
     model = _sharp(copy.deepcopy(MODELS[name]), seed=5)
     g = torch.Generator().manual_seed(1)
@@ -539,7 +540,7 @@ def test_engine_forked_groups_on_gqa_models(name, monkeypatch):
 def test_attention_softmax_padding_is_exact(shape):
     """lean._softmax pads short score rows to 16 columns of -inf (torch's fast CPU path):
     the same probabilities as softmax, also with masked (dtype min) and fully masked rows."""
-    from gyre.lean import _softmax
+    from gyre.models.lean import _softmax
 
     g = torch.Generator().manual_seed(0)
     s = torch.randn(*shape, generator=g) * 4

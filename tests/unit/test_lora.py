@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from gyre.cli import main
 from gyre.config import EngineConfig, LoraConfig, load_config
 from gyre.engines import TorchEngine, WeightSync
-from gyre.lora import (
+from gyre.models.lora import (
     AdapterDisabled,
     apply_lora,
     save_adapter_atomic,

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gyre.config import ModelConfig
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.maze import MazeEnv
-from gyre.model import (
+from gyre.models.build import (
     CHARSET,
     build_char_tokenizer,
     build_tiny_model,

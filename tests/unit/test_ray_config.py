@@ -36,8 +36,8 @@ def test_runner_defaults_to_local_and_ray_errors_name_the_fields():
 
 def test_loop_and_algorithms_do_not_import_ray():
     code = (
-        "import sys, gyre.loop, gyre.trainer, gyre.algos, gyre.runners, gyre.runners.scheduler,"
-        " gyre.runners.actors, gyre.distributed; "
+        "import sys, gyre.loop, gyre.trainer.sft, gyre.algos, gyre.runners, gyre.runners.scheduler,"
+        " gyre.runners.actors, gyre.trainer.distributed; "
         "print('ray' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -46,7 +46,7 @@ def test_loop_and_algorithms_do_not_import_ray():
 
 def test_placement_bundles_colocated_and_disaggregated():
     pytest.importorskip("ray")
-    from gyre.runners.ray_runner import placement_bundles
+    from gyre.runners.ray import placement_bundles
 
     base = ["runner=ray", "ray.rollout_workers=2", "ray.trainer_ranks=2",
             "ray.rollout.num_gpus=0.5", "ray.trainer.num_gpus=0.5", "ray.rollout.num_cpus=1",
@@ -71,7 +71,7 @@ def test_runner_ray_without_ray_names_the_extra(monkeypatch, tmp_path):
 
 def test_async_runs_get_the_off_policy_correction_by_default():
     from gyre.config import load_config
-    from gyre.runners.ray_runner import off_policy_default
+    from gyre.runners.ray import off_policy_default
 
     base = ["runner=ray"]
     for mode, extra, want in (

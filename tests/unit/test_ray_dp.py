@@ -10,15 +10,15 @@ from __future__ import annotations
 import torch
 
 from gyre.algos import LOSS_AGGREGATIONS
-from gyre.policy import collate
-from gyre.update import GRPOSettings, policy_update
+from gyre.trainer.batch import collate
+from gyre.trainer.update import GRPOSettings, policy_update
 from helpers import dp_batch, dp_rank, spawn_two_ranks
 
 
 def test_two_gloo_ranks_equal_one_process(tmp_path, make_tiny_model, tokenizer):
     model = make_tiny_model(seed=3)
     spawn_two_ranks(dp_rank, tmp_path, model, tokenizer)
-    from gyre.model import load_pretrained
+    from gyre.models.build import load_pretrained
 
     for agg in LOSS_AGGREGATIONS:
         dp = torch.load(tmp_path / f"dp-{agg}.pt")

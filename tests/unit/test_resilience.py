@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.checkpoint import CheckpointError
-from gyre.resilience import StopGuard, TaskCursor, durable_size, rewind_metrics
+from gyre.checkpoint.resume import StopGuard, TaskCursor, durable_size, rewind_metrics
+from gyre.checkpoint.store import CheckpointError
 
 
 def _cursor(size, seed=0):
@@ -91,8 +91,8 @@ def test_stop_guard_flags_and_restores():
 
 
 def test_nonfinite_update_is_skipped(make_tiny_model):
-    from gyre.policy import collate
-    from gyre.trainer import GRPOSettings, grpo_update, sft_step
+    from gyre.trainer.batch import collate
+    from gyre.trainer.sft import GRPOSettings, grpo_update, sft_step
     from gyre.types import Trajectory
 
     model = make_tiny_model(seed=0)
@@ -133,7 +133,7 @@ class _Boom:
 @pytest.mark.parametrize("where", ["reset", "step", "none"])
 def test_env_exception_marks_episode_failed(where, make_tiny_model, tokenizer, caplog):
     from gyre.engines import TorchEngine
-    from gyre.rollout import RolloutStats, run_episodes, stop_ids
+    from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids
     from gyre.types import SamplingParams
 
     engine = TorchEngine(make_tiny_model(seed=0), tokenizer.pad_token_id)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, LlamaConfig
 
 from gyre.config import RewardConfig
-from gyre.model import build_char_tokenizer
+from gyre.models.build import build_char_tokenizer
 from gyre.rewards import RewardBatch, Rewarder
 from gyre.rewards.math_answer import math_answer
 from gyre.rewards.reward_model import load_reward_model, reward_model

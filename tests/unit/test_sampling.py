@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from gyre.sampling import sample_tokens, sampling_logprobs
+from gyre.models.sampling import sample_tokens, sampling_logprobs
 
 
 def _logits(probs):

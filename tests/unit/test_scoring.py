@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from gyre.policy import TokenBatch, collate, token_logprobs
-from gyre.scoring import PACK_MIN_SAVING, ScoringOptions, pack_rows
-from gyre.trainer import GRPOSettings, grpo_update
+from gyre.trainer.batch import TokenBatch, collate, token_logprobs
+from gyre.trainer.scoring import PACK_MIN_SAVING, ScoringOptions, pack_rows
+from gyre.trainer.sft import GRPOSettings, grpo_update
 from gyre.types import Trajectory
 
 CPU = torch.device("cpu")
@@ -94,7 +94,7 @@ def test_prefix_groups_keep_each_prompt_group_whole():
     """A lone row sorted just before a group of rows sharing a 5-token prompt must not pull the
     group into a tree that shares only the first token (the greedy grouping did); two prompt
     groups sharing only their first tokens stay two trees."""
-    from gyre.scoring import _prefix_groups
+    from gyre.trainer.scoring import _prefix_groups
 
     lone = [1, 2, 9, 9, 9, 9]
     group_a = [[1, 3, 4, 5, 6, 10 + k, 20] for k in range(8)]
@@ -108,7 +108,7 @@ def test_prefix_groups_keep_each_prompt_group_whole():
 
 
 def test_prefix_groups_respect_the_width_cap(monkeypatch):
-    import gyre.scoring as sc
+    import gyre.trainer.scoring as sc
 
     monkeypatch.setattr(sc, "TREE_MAX_WIDTH", 20)
     rows = [[1, 2, 3, 4] + [5 + k] * 6 for k in range(8)]  # 8 rows of 10, prefix 4
@@ -119,8 +119,8 @@ def test_prefix_groups_respect_the_width_cap(monkeypatch):
 def test_config_keys_switch_trainer_scoring_paths(monkeypatch, make_tiny_model):
     """train.lean_forward / train.share_prefix reach the trainer's scoring (scoring.configure,
     called by the loop and the Ray actors); GYRE_LEAN=0 still wins over the config."""
-    import gyre.lean as lean_mod
-    import gyre.scoring as sc
+    import gyre.models.lean as lean_mod
+    import gyre.trainer.scoring as sc
     from gyre.config import Config
 
     monkeypatch.setattr(sc, "_CONFIGURED", {})
@@ -148,7 +148,7 @@ def test_config_keys_switch_trainer_scoring_paths(monkeypatch, make_tiny_model):
 
 def _fed_positions(monkeypatch) -> list[int]:
     """Record the real (non-pad, id != 0) positions each lean forward is given."""
-    import gyre.lean as lean_mod
+    import gyre.models.lean as lean_mod
 
     fed: list[int] = []
     real = lean_mod.LeanForward.hidden

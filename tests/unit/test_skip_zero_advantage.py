@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gyre.algos import LOSS_AGGREGATIONS, POLICY_LOSSES
-from gyre.policy import collate
+from gyre.trainer.batch import collate
+from gyre.trainer.update import GRPOSettings, policy_update, prepare_batch
 from gyre.types import Trajectory
-from gyre.update import GRPOSettings, policy_update, prepare_batch
 
 CPU = torch.device("cpu")
 

@@ -192,7 +192,7 @@ def test_replay_maze_follows_the_env():
 
 
 def test_sample_writer_fraction_determinism_and_maze(tmp_path, tokenizer):
-    from gyre.rollout import demonstrate
+    from gyre.rollout.episodes import demonstrate
 
     make_env = MazeEnv
     rng = np.random.default_rng(0)

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from gyre.policy import collate, token_logprobs
-from gyre.trainer import GRPOSettings, grpo_update, sft_step, token_weights
+from gyre.trainer.batch import collate, token_logprobs
+from gyre.trainer.sft import GRPOSettings, grpo_update, sft_step, token_weights
 from gyre.types import Trajectory
 
 CPU = torch.device("cpu")

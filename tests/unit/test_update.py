@@ -1,4 +1,5 @@
-"""The general update (gyre.update): accumulation invariance for every aggregation mode and loss,
+"""The general update (gyre.trainer.update): accumulation invariance for every aggregation mode
+and loss,
 per-token advantages, old-logprob recomputation and when it is skipped, rollout IS, KL in the
 loss or the reward, the entropy bonus and the GAE value models."""
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 
 from gyre.algos import LOSS_AGGREGATIONS, POLICY_LOSSES
-from gyre.critic import ValueModel
-from gyre.policy import collate, token_logprobs
+from gyre.trainer.batch import collate, token_logprobs
+from gyre.trainer.critic import ValueModel
+from gyre.trainer.update import GRPOSettings, batch_advantages, policy_update, prepare_batch
 from gyre.types import Trajectory
-from gyre.update import GRPOSettings, batch_advantages, policy_update, prepare_batch
 
 CPU = torch.device("cpu")
 

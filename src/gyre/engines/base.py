@@ -7,7 +7,8 @@ server-side prefix caching makes it cheap). An in-process engine may keep KV cac
 
 Optional: ``generate_continuous(requests, params, on_complete)`` (``TorchEngine`` has it) lets
 a finished completion's follow-up request join the running batch at once (continuous
-batching); ``gyre.rollout.run_episodes`` uses it when present and falls back to lockstep turns.
+batching); ``gyre.rollout.episodes.run_episodes`` uses it when present and falls back to
+lockstep turns.
 A request's ``seed`` keys its own random stream, so batching never changes its tokens.
 
 Engines that take weights from files also have ``load_adapter(path, version)`` (a peft adapter

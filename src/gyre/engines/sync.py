@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from gyre.config import EngineConfig
-from gyre.lora import save_adapter_atomic, save_full_atomic, trainable_state
+from gyre.models.lora import save_adapter_atomic, save_full_atomic, trainable_state
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 

@@ -24,11 +24,13 @@ What is saved, each measurable on its own (``bench/rollout.py --engine-flags``):
   the new suffix.
 - **Last-position logits only**: the LM head runs on one position per row
   (``logits_to_keep``), never on every prefill position.
-- **Lean forward** (``lean_forward``, :mod:`gyre.lean`): Llama-family models run a forward with
+- **Lean forward** (``lean_forward``, :mod:`gyre.models.lean`): Llama-family models run a
+  forward with
   fewer ops over the same parameters, appending keys/values in place into a preallocated
   buffer; other models (or ``lean_forward=False`` / ``GYRE_LEAN=0``) use the HF forward.
 
-Sampling is counter-based (:func:`gyre.sampling.sample_tokens_keyed`): token k of a request is
+Sampling is counter-based (:func:`gyre.models.sampling.sample_tokens_keyed`): token k of a
+request is
 drawn from a uniform keyed by (request seed, k), so a request's tokens do not depend on the
 batch it shares, on the order of requests, or on any of the optimisations above (tested).
 """
@@ -48,8 +50,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from gyre.lean import LeanForward, lean_for, select_kv_rows, ungroup_cache
-from gyre.sampling import sample_tokens_keyed, sampling_logprobs
+from gyre.models.lean import LeanForward, lean_for, select_kv_rows, ungroup_cache
+from gyre.models.sampling import sample_tokens_keyed, sampling_logprobs
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 OnComplete = Callable[[int, Completion], GenerationRequest | None]
@@ -222,7 +224,7 @@ class TorchEngine:
     row finishes; default half: on a small model a decode step costs about the same for 17
     rows as for 64, while the gather out of the grouped layout costs ~1 ms). ``lean_forward``
     (default on; ``GYRE_LEAN=0`` turns it off) runs Llama-family models through
-    :class:`gyre.lean.LeanForward`, falling back to the HF forward for anything else.
+    :class:`gyre.models.lean.LeanForward`, falling back to the HF forward for anything else.
     """
 
     def __init__(
@@ -305,7 +307,7 @@ class TorchEngine:
 
     def load_adapter(self, path: str | Path, version: int) -> int:
         """Adapter sync: load a peft adapter folder as the active adapter; returns ``version``."""
-        from gyre.lora import load_adapter_into
+        from gyre.models.lora import load_adapter_into
 
         self.model = load_adapter_into(self.model, Path(path), f"v{version}").eval()
         active = f"v{version}"

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-# Held-out seeds start here (gyre.evaluate.EVAL_SEED_BASE; not imported, to keep envs light).
+# Held-out seeds start here (gyre.rollout.evaluate.EVAL_SEED_BASE; not imported, to keep envs
+# light).
 EVAL_SEED_BASE = 2**31
 
 

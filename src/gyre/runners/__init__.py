@@ -1,6 +1,6 @@
 """Runners: how the loop's phases are placed on processes.
 
-``local`` is :func:`gyre.loop.train` itself (one process). ``ray`` (:mod:`gyre.runners.ray_runner`)
+``local`` is :func:`gyre.loop.train` itself (one process). ``ray`` (:mod:`gyre.runners.ray`)
 puts rollout workers and a data-parallel trainer group into Ray actors. Only the ``ray_*``
 modules import Ray; the loop, algorithms and this package's other modules never do.
 """
@@ -30,7 +30,7 @@ def get_runner(name: str) -> Callable[..., dict[str, Any]]:
         return train
     if name == "ray":
         require_ray()
-        from gyre.runners.ray_runner import train as ray_train
+        from gyre.runners.ray import train as ray_train
 
         return ray_train
     raise ValueError(f"unknown runner {name!r}; valid: local, ray")

@@ -18,23 +18,23 @@ from typing import Any
 
 import torch
 
-from gyre import scoring
-from gyre.checkpoint import load_checkpoint_state
+from gyre.checkpoint.resume import Checkpointer
+from gyre.checkpoint.store import load_checkpoint_state
 from gyre.config import Config
-from gyre.distributed import (
+from gyre.engines import TorchEngine
+from gyre.envs import env_factory
+from gyre.loop import STREAM_GRPO, _sampling, run_eval, update_phase
+from gyre.models.build import load_pretrained
+from gyre.rollout.episodes import RolloutStats, run_episodes
+from gyre.rollout.evaluate import train_seed
+from gyre.runners.scheduler import Share
+from gyre.trainer import scoring
+from gyre.trainer.distributed import (
     FSDPCollective,
     TorchCollective,
     shard_fsdp2,
     state_bytes,
 )
-from gyre.engines import TorchEngine
-from gyre.envs import env_factory
-from gyre.evaluate import train_seed
-from gyre.loop import STREAM_GRPO, _sampling, run_eval, update_phase
-from gyre.model import load_pretrained
-from gyre.resilience import Checkpointer
-from gyre.rollout import RolloutStats, run_episodes
-from gyre.runners.scheduler import Share
 from gyre.types import Trajectory
 
 
@@ -257,7 +257,7 @@ class TrainerRank:
         return state, state_bytes(state)
 
     def save(self, step: int, state: dict[str, Any], keep: int) -> str | None:
-        """A GRPO checkpoint through the local loop's :class:`~gyre.resilience.Checkpointer`
+        """A GRPO checkpoint through the local loop's :class:`~gyre.checkpoint.resume.Checkpointer`
         (same layout, config hash, metrics offset, retention ``checkpoint.keep`` and
         ``checkpoint.on_error``); None when the write failed and the policy is to continue."""
         assert self.optimizer is not None

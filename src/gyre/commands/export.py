@@ -2,7 +2,8 @@
 
 The policy is ``RUN_DIR/final`` (or, when the run has not finished, its newest checkpoint's
 ``model/``). A LoRA run's policy is an adapter: it is loaded on the weights it was trained on
-(``RUN_DIR/sft`` or the base model, as in :func:`gyre.lora.lora_base_path`) and merged, so the
+(``RUN_DIR/sft`` or the base model, as in
+:func:`gyre.models.lora.lora_base_path`) and merged, so the
 output loads with ``AutoModelForCausalLM.from_pretrained`` and no peft.
 """
 
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from gyre.checkpoint import list_checkpoints
+from gyre.checkpoint.store import list_checkpoints
 from gyre.config import Config, ConfigError, load_config
-from gyre.lora import is_adapter_dir, lora_base_path, save_full_atomic
-from gyre.model import load_pretrained
+from gyre.models.build import load_pretrained
+from gyre.models.lora import is_adapter_dir, lora_base_path, save_full_atomic
 
 
 def policy_dir(run_dir: Path) -> Path:
@@ -32,7 +33,7 @@ def policy_dir(run_dir: Path) -> Path:
 
 def export_run(run_dir: str | Path, out: str | Path) -> Path:
     """Write the run's policy (adapter merged, if any) to ``out``; return ``out``."""
-    from gyre.lora import load_adapter_into
+    from gyre.models.lora import load_adapter_into
 
     run_dir, out = Path(run_dir), Path(out)
     src = policy_dir(run_dir)

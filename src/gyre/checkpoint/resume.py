@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from gyre.checkpoint import (
+from gyre.checkpoint.store import (
     GRPO_PREFIX,
     MANIFEST_FILE,
     SFT_PREFIX,
@@ -48,7 +48,7 @@ from gyre.checkpoint import (
     verify_dir,
 )
 
-log = logging.getLogger("gyre.resilience")
+log = logging.getLogger("gyre.checkpoint.resume")
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # bad input, failed checkpoint write with checkpoint.on_error=stop, ...

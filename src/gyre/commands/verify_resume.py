@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre.resilience import EXIT_OK, EXIT_PREEMPTED
+from gyre.checkpoint.resume import EXIT_OK, EXIT_PREEMPTED
 
 METRIC_FILES = ("sft_metrics.jsonl", "metrics.jsonl")
 MODEL_DIRS = ("sft", "final")

@@ -49,8 +49,8 @@ from gyre.algos import (
 )
 from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
-from gyre.critic import ValueModel, policy_forward
-from gyre.policy import TokenBatch, token_logprobs
+from gyre.trainer.batch import TokenBatch, token_logprobs
+from gyre.trainer.critic import ValueModel, policy_forward
 
 OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 

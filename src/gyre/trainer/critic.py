@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from gyre.policy import TokenBatch, logits_to_token_logprobs, token_logprobs
+from gyre.trainer.batch import TokenBatch, logits_to_token_logprobs, token_logprobs
 
 VALUE_MODES = ("critic", "head")
 
@@ -122,7 +122,7 @@ def policy_forward(
     """
     shared = value_model is not None and value_model.shared
     if not shared:
-        # No hidden states needed: the packed / chunked scoring path (gyre.scoring) applies.
+        # No hidden states needed: the packed / chunked scoring path (gyre.trainer.scoring) applies.
         # Only the loss-masked tokens are ever read (loss, old / ref log-probs, metrics):
         # scoring just those skips each row's last token and everything after its last action.
         logp, ent = token_logprobs(

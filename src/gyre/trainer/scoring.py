@@ -14,7 +14,7 @@ Two things waste most of a training forward on RL batches:
   chunk's logits in backward.
 
 - **Shared prefixes.** The G samples of a GRPO group repeat the same prompt. With the lean
-  forward (:mod:`gyre.lean`, Llama-family models) :func:`tree_pack` lays a group out once as
+  forward (:mod:`gyre.models.lean`, Llama-family models) :func:`tree_pack` lays a group out once as
   ``[prefix, suffix_1, ..., suffix_G]`` with a tree mask (a suffix sees the prefix and itself),
   so the prompt is computed once per group in forward and backward; it is used when its
   estimated cost (positions x per-token FLOPs + rows x width^2 x attention FLOPs) is at most
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from gyre.lean import LeanForward, lean_for
-from gyre.sampling import sampling_logprobs
+from gyre.models.lean import LeanForward, lean_for
+from gyre.models.sampling import sampling_logprobs
 
 
 def _env_int(name: str, default: int) -> int:
@@ -69,12 +69,12 @@ def configure(lean: bool = True, share_prefix: bool = True) -> None:
 
 @dataclass
 class ScoringOptions:
-    """How :func:`gyre.policy.token_logprobs` scores a batch (defaults: the run config via
+    """How :func:`gyre.trainer.batch.token_logprobs` scores a batch (defaults: the run config via
     :func:`configure`, then the env)."""
 
     pack: bool = True
     chunk: int = 1024  # positions per LM-head / log-softmax chunk; 0 = all at once
-    lean: bool = True  # the lean forward for Llama-family models (gyre.lean)
+    lean: bool = True  # the lean forward for Llama-family models (gyre.models.lean)
     share_prefix: bool = True  # tree packing of shared prefixes (needs the lean forward)
     trim: bool = True  # feed only the positions a scored token needs (off: whole rows)
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from gyre.config import DapoConfig, SamplingConfig
-from gyre.policy import TokenBatch
+from gyre.trainer.batch import TokenBatch
 from gyre.types import Trajectory
 
 

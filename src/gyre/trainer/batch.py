@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyre.sampling import sampling_logprobs
-from gyre.scoring import ScoringOptions, chunked_token_logprobs
+from gyre.models.sampling import sampling_logprobs
+from gyre.trainer.scoring import ScoringOptions, chunked_token_logprobs
 from gyre.types import Trajectory
 
 
@@ -94,14 +94,15 @@ def token_logprobs(
 
     Returns (logprobs (B, T), entropy (B, T) or None); position 0 is 0.0 (no prefix).
 
-    By default the batch is packed and scored in chunks (:mod:`gyre.scoring`): padding is not
+    By default the batch is packed and scored in chunks (:mod:`gyre.trainer.scoring`): padding is
+    not
     computed and the full-vocab log-softmax is never materialised for all positions at once;
     the values are those of the plain path (padding positions read 0). ``options`` overrides
     the defaults (``GYRE_PACK`` / ``GYRE_LOGPROB_CHUNK``); with both off this is the plain path.
     ``entropy_grad`` (an entropy bonus in the loss) takes the plain path: the fast path's
     entropy is a detached metric. ``score_mask`` (B, T), e.g. the loss mask: only those
     tokens' log-probs (and entropies) are wanted, the others read 0; the fast path then
-    computes only the positions they need (see :func:`gyre.scoring.chunked_token_logprobs`).
+    computes only the positions they need (see :func:`gyre.trainer.scoring.chunked_token_logprobs`).
     """
     opts = options or ScoringOptions.from_env()
     if (opts.pack or opts.chunk > 0) and not (with_entropy and entropy_grad):

@@ -37,7 +37,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gyre.engines.torch_engine import TorchEngine
-from gyre.model import load_pretrained, resolve_device
+from gyre.models.build import load_pretrained, resolve_device
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 
@@ -180,7 +180,7 @@ class ModelHost:
             return self.engine.generate(reqs, params)
 
     def load_lora(self, name: str, path: str) -> None:
-        from gyre.lora import load_adapter_into
+        from gyre.models.lora import load_adapter_into
 
         with self._lock:
             if name == self.served_name or name in self.adapters:

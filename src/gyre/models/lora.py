@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from gyre.config import Config, LoraConfig
-from gyre.model import load_pretrained
+from gyre.models.build import load_pretrained
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

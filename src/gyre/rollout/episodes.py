@@ -26,7 +26,7 @@ from gyre.envs.base import Demonstrator, Env
 from gyre.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
 _SESSION_COUNTER = iter(range(1 << 62))
-_log = logging.getLogger("gyre.rollout")
+_log = logging.getLogger("gyre.rollout.episodes")
 
 
 @dataclass

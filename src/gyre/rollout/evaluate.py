@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gyre.engines.base import Engine
 from gyre.envs.base import Env
-from gyre.rollout import run_episodes, stop_ids
+from gyre.rollout.episodes import run_episodes, stop_ids
 from gyre.types import SamplingParams
 
 EVAL_SEED_BASE = 2**31

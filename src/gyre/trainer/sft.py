@@ -1,4 +1,4 @@
-"""Optimizer steps: the RL policy update (in :mod:`gyre.update`) and SFT.
+"""Optimizer steps: the RL policy update (in :mod:`gyre.trainer.update`) and SFT.
 
 Normalisation: per-token weights for the whole optimizer step are fixed before the micro-batch
 loop (:func:`token_weights`: 1 / step token count for ``token-mean``, 1 / (row length x rows) for
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from gyre.algos import LOSS_AGGREGATIONS, agg_weights, masked_token_sum
-from gyre.policy import TokenBatch, token_logprobs
-from gyre.scoring import ScoringOptions
-from gyre.update import GRPOSettings, finite_step, policy_update
+from gyre.trainer.batch import TokenBatch, token_logprobs
+from gyre.trainer.scoring import ScoringOptions
+from gyre.trainer.update import GRPOSettings, finite_step, policy_update
 
 __all__ = ["LOSS_AGGREGATIONS", "GRPOSettings", "grpo_update", "sft_step", "token_weights"]
 
@@ -45,7 +45,7 @@ def grpo_update(
     generator: torch.Generator | None = None,
 ) -> dict[str, float]:
     """One rollout batch -> ``settings.mini_batches`` optimizer steps (see
-    :func:`gyre.update.policy_update`, which also takes a value model)."""
+    :func:`gyre.trainer.update.policy_update`, which also takes a value model)."""
     return policy_update(model, optimizer, batch, advantages, settings, ref_model, generator)
 
 

@@ -47,7 +47,7 @@ import torch
 
 import gyre
 
-log = logging.getLogger("gyre.checkpoint")
+log = logging.getLogger("gyre.checkpoint.store")
 
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"

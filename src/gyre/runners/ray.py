@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gyre.checkpoint import list_checkpoints
+from gyre.checkpoint.resume import StopGuard, preempt_if_requested
+from gyre.checkpoint.store import list_checkpoints
 from gyre.config import Config, tasks_per_share
 from gyre.loop import base_model_path, rollout_metrics, rollout_seed, run_sft, setup
-from gyre.resilience import StopGuard, preempt_if_requested
 from gyre.runners import require_ray
 from gyre.runners.actors import RolloutWorker, TrainerRank
 from gyre.runners.scheduler import Group, ShareScheduler
@@ -452,7 +452,7 @@ class RayRun:
         self, out: Any, resume_from: Path | None, guard: StopGuard | None = None
     ) -> dict[str, Any]:
         """The step loop; on SIGTERM/SIGINT (``guard``) it stops after the current step with a
-        checkpoint and raises :class:`~gyre.resilience.Preempted`, as the local loop does."""
+        checkpoint and raises :class:`~gyre.checkpoint.resume.Preempted`, as the local loop does."""
         cfg = self.cfg
         self.workers = [self._new_worker(i) for i in range(cfg.ray.rollout_workers)]
         self.idle = set(range(len(self.workers)))
@@ -576,7 +576,7 @@ def off_policy_default(cfg: Config) -> bool:
 
 def train(cfg: Config, sink: MetricsSink | None = None) -> dict[str, Any]:
     """The Ray runner's ``train``: same config, same outputs as :func:`gyre.loop.train`."""
-    from gyre.checkpoint import find_resume
+    from gyre.checkpoint.store import find_resume
 
     t_start = time.perf_counter()
     corrected = off_policy_default(cfg)  # before setup, so config.yaml shows it

@@ -1,0 +1,1 @@
+"""Checkpoints: the store (atomic writes, manifests), resume planning and the stop guard."""

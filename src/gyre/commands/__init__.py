@@ -1,0 +1,1 @@
+"""CLI commands beyond train/sft/eval: verify-resume and export."""

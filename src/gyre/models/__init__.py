@@ -1,0 +1,1 @@
+"""Model code: building/loading Hugging Face checkpoints, the lean forward, LoRA, sampling."""

@@ -1,0 +1,1 @@
+"""Rollout: episodes of env x engine, DAPO dynamic sampling, held-out evaluation."""
