@@ -44,11 +44,13 @@ from gyre.algos.losses import kl_k3
 from gyre.config import load_config
 from gyre.engines import TorchEngine
 from gyre.envs import env_factory
-from gyre.loop import base_model_path, run_sft, setup, train
+from gyre.loop import base_model_path, setup
 from gyre.models.build import load_pretrained
 from gyre.rollout.episodes import run_episodes, stop_ids
 from gyre.rollout.evaluate import eval_seeds
+from gyre.runners import train
 from gyre.trainer.batch import collate, token_logprobs
+from gyre.trainer.warmstart import run_sft
 from gyre.types import SamplingParams
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "algorithms.md"

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from gyre import loop
+    from gyre import runners
     from gyre.config import load_config
 
     root = Path(tempfile.mkdtemp(prefix="gab", dir="/tmp"))
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                         *a.overrides,
                     ],
                 )
-                s = loop.train(cfg)
+                s = runners.train(cfg)
                 steps = [
                     json.loads(x)
                     for x in (d / "metrics.jsonl").read_text().splitlines()

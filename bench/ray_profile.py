@@ -97,7 +97,7 @@ def _free_port() -> int:
 
 def in_process(cfg: Any, warm: Path, steps: int) -> dict[str, float]:
     """Part 1: the actor classes in this process; seconds per step by phase."""
-    from gyre.loop import rollout_seed
+    from gyre.rollout.core import rollout_seed
     from gyre.runners.actors import RolloutWorker, TrainerRank
     from gyre.runners.scheduler import ShareScheduler
 
@@ -135,7 +135,7 @@ def in_process(cfg: Any, warm: Path, steps: int) -> dict[str, float]:
 
 def on_ray(cfg_overrides: list[str], steps: int, root: Path) -> list[dict[str, float]]:
     """Part 2: a sync run on a local Ray cluster; its per-step metrics."""
-    from gyre import loop
+    from gyre import runners
     from gyre.config import load_config
 
     d = root / "ray-sync"
@@ -145,7 +145,7 @@ def on_ray(cfg_overrides: list[str], steps: int, root: Path) -> list[dict[str, f
          "eval.episodes=0", f"ray.temp_dir={root / 'r'}", "ray.num_cpus=2",
          "ray.rollout_workers=1"],
     )  # fmt: skip
-    loop.train(cfg)
+    runners.train(cfg)
     return [
         json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if "train/loss" in x
     ]

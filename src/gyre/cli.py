@@ -179,12 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "submit":
             return _submit(ns)
         if ns.command == "train":
-            s = loop.train(cfg)
+            from gyre.runners import train
+
+            s = train(cfg)
             console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
             console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
         elif ns.command == "sft":
             run_dir, device = loop.setup(cfg)
-            out = loop.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
+            from gyre.trainer.warmstart import run_sft
+
+            out = run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
             console.print(f"SFT checkpoint written to {out}")
         elif ns.command == "eval":
             if not cfg.model.path:
@@ -193,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
             run_dir, device = loop.setup(cfg)
             from gyre.engines import TorchEngine
             from gyre.models.build import load_pretrained
+            from gyre.rollout import Rollout
 
             model, tok = load_pretrained(Path(cfg.model.path), device)
-            res = loop.run_eval(cfg, TorchEngine(model, tok.pad_token_id, cfg.run.seed), tok)
+            engine = TorchEngine(model, tok.pad_token_id, cfg.run.seed)
+            res = Rollout(cfg, engine, tok).evaluate()
             (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
             console.print(_table([(cfg.model.path, res)]))
     except Preempted as exc:

@@ -600,28 +600,16 @@ def check_ray_config(cfg: Config) -> None:
             f"ray.trainer_ranks={r.trainer_ranks} must divide "
             f"train.tasks_per_step={t.tasks_per_step} (every rank trains whole groups)"
         )
-    if t.algo.advantage == "gae":
-        raise ValueError("train.algo.advantage='gae' is not supported with runner=ray yet")
     if t.algo.advantage.startswith("reinforce_pp") and r.trainer_ranks > 1:
         raise ValueError(
             f"train.algo.advantage={t.algo.advantage!r} whitens over the whole batch; with "
             "runner=ray it needs ray.trainer_ranks=1"
         )
-    if t.dapo.dynamic_sampling:
-        raise ValueError("train.dapo.dynamic_sampling is not supported with runner=ray yet")
-    if cfg.reward.functions:
-        raise ValueError("reward.functions are not supported with runner=ray yet")
-    if cfg.model.lora is not None:
-        raise ValueError("model.lora is not supported with runner=ray yet (use runner=local)")
     if cfg.engine.weight_sync == "shared":
         raise ValueError(
-            "engine.weight_sync=shared shares one process's parameters; with runner=ray the "
-            "engine and trainer live in different actors (use memory)"
-        )
-    if cfg.engine.kind != "torch":
-        raise ValueError(
-            f"engine.kind={cfg.engine.kind!r} is not supported with runner=ray yet: the rollout "
-            "workers run in-process torch engines"
+            "engine.weight_sync=shared makes the engine sample from the trainer's own "
+            "parameters, which needs both in one process; with runner=ray the engines and the "
+            "trainer are separate actors, so use engine.weight_sync=memory"
         )
 
 

@@ -96,7 +96,7 @@ def golden_run(name: str, run_dir: Path) -> dict[str, Any]:
     if rc not in (0, None):
         raise RuntimeError(f"golden run {name} exited {rc}")
     return {
-        "args": args[1:-3],
+        "args": ([path] if path else []) + overrides,
         "sft_metrics": _metrics(run_dir / "sft_metrics.jsonl"),
         "metrics": _metrics(run_dir / "metrics.jsonl"),
         "final_weights": weights_digest(run_dir / "final"),

@@ -21,8 +21,8 @@ from gyre.cli import main
 from gyre.commands.export import export_run
 from gyre.config import load_config
 from gyre.engines.http_engine import HttpEngine
-from gyre.loop import train
 from gyre.models.lora import load_adapter_into
+from gyre.runners import train
 from gyre.telemetry import MetricsSink
 from gyre.types import GenerationRequest, SamplingParams
 from serve_helpers import start_server

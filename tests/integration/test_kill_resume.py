@@ -20,6 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 import gyre.loop
+import gyre.rollout.core
+import gyre.runners
+import gyre.trainer.core
 import gyre.trainer.sft
 from gyre.checkpoint.resume import EXIT_ABORTED, EXIT_FAULTS, EXIT_PREEMPTED, Preempted
 from gyre.checkpoint.store import CheckpointStore, set_fault_hook, verify_dir
@@ -148,7 +151,7 @@ def test_sigterm_stops_at_a_safe_point_with_checkpoint(straight, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load_config(None, [*TINY, *ARITH, f"run.dir={run_dir}", "checkpoint.every=4"])
     with pytest.raises(Preempted) as info:
-        gyre.loop.train(cfg, sink=_signal_at(2))
+        gyre.runners.train(cfg, sink=_signal_at(2))
     assert info.value.step == 2 and info.value.signame == "SIGTERM"
     assert Path(info.value.path).name == "step_000002"  # written although every=4
     assert verify_dir(Path(info.value.path)) == []
@@ -198,7 +201,7 @@ def test_sft_resume_at_epoch_boundary_and_scheduler_steps_once(tmp_path):
     try:
         cfg = load_config(None, [*TINY, *extra, f"run.dir={run_dir}"])
         with pytest.raises(Preempted) as info:
-            gyre.loop.train(cfg)
+            gyre.runners.train(cfg)
     finally:
         set_fault_hook("checkpoint.write", None)
     assert info.value.phase == "sft" and info.value.step == 2
@@ -220,14 +223,14 @@ def test_resume_replays_and_skips_no_data(straight, tmp_path):
     run_dir = tmp_path / "run"
     assert _train(run_dir, *ARITH, "train.steps=3") == 0
     state = json.loads((run_dir / "checkpoints" / "step_000003" / "state.json").read_text())
-    assert state["data"]["consumed"] == 3 * 2 and state["cursor"] == 6
+    assert state["cursor"] == 3 * 2  # tasks consumed: 2 a step
     assert _train(run_dir, *ARITH, "run.resume=auto") == 0
     a, b = _lines(straight / "metrics.jsonl"), _lines(run_dir / "metrics.jsonl")
     keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/entropy")
     pick = [(r["step"], *(r.get(k) for k in keys)) for r in a if "train/loss" in r]
     assert pick == [(r["step"], *(r.get(k) for k in keys)) for r in b if "train/loss" in r]
     final = json.loads((run_dir / "checkpoints" / "step_000006" / "state.json").read_text())
-    assert final["data"]["consumed"] == 6 * 2
+    assert final["cursor"] == 6 * 2
 
 
 def test_second_run_in_same_dir(straight, tmp_path, capsys):
@@ -334,7 +337,7 @@ def nan_loss(monkeypatch):
     """Make the PPO loss NaN on the GRPO steps listed in ``bad`` (1-based update calls)."""
     bad: set[int] = set()
     calls = {"n": 0}
-    real_update = gyre.loop.policy_update
+    real_update = gyre.trainer.core.policy_update
 
     def update(model, optimizer, batch, adv, *a, **k):
         calls["n"] += 1
@@ -342,7 +345,7 @@ def nan_loss(monkeypatch):
             adv = adv * float("nan")
         return real_update(model, optimizer, batch, adv, *a, **k)
 
-    monkeypatch.setattr(gyre.loop, "policy_update", update)
+    monkeypatch.setattr(gyre.trainer.core, "policy_update", update)
     return bad
 
 
@@ -391,14 +394,14 @@ class _FlakyEnv:
 
 @pytest.fixture
 def flaky_env(monkeypatch):
-    real = gyre.loop.env_factory
+    real = gyre.rollout.core.env_factory
 
     def factory(cfg):
         make = real(cfg)
         return lambda: _FlakyEnv(make())
 
     _FlakyEnv.count = 0
-    monkeypatch.setattr(gyre.loop, "env_factory", factory)
+    monkeypatch.setattr(gyre.rollout.core, "env_factory", factory)
 
 
 def test_env_exceptions_counted_logged_and_tolerated(flaky_env, tmp_path, caplog):

@@ -144,7 +144,7 @@ class WaitForScrape:
 
 def test_prometheus_scrapes_a_run(prometheus, tmp_path):
     pytest.importorskip("prometheus_client")
-    from gyre import loop
+    from gyre import runners
     from gyre.config import load_config
 
     base, port = prometheus
@@ -169,7 +169,7 @@ def test_prometheus_scrapes_a_run(prometheus, tmp_path):
         ],
     )
     gate = WaitForScrape(base)
-    loop.train(cfg, sink=gate)
+    runners.train(cfg, sink=gate)
     assert gate.steps == [1, 2, 3]
     rows = [r for r in _records(run_dir / "metrics.jsonl") if "train/loss" in r]
 

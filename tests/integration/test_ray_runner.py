@@ -13,8 +13,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gyre import loop  # noqa: E402
+from gyre import loop, runners  # noqa: E402
 from gyre.config import load_config  # noqa: E402
+from gyre.trainer import warmstart  # noqa: E402
 
 STEPS, TASKS, GROUP = 3, 4, 4
 SKIP_PREFIXES = ("time/", "perf/", "sync/", "async/", "recovery/")
@@ -42,7 +43,7 @@ def warm_model(tmp_path_factory, tiny_cfg) -> Path:
     d = tmp_path_factory.mktemp("warm")
     cfg = load_config(None, [*_tiny(), f"run.dir={d}", "sft.steps=40", "sft.demos=128"])
     run_dir, device = loop.setup(cfg)
-    return loop.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
+    return warmstart.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
 
 
 def _tiny() -> list[str]:
@@ -102,7 +103,7 @@ def _expected_ids(steps: int) -> list[str]:
 @pytest.fixture(scope="module")
 def sync_run(ray_cluster, warm_model, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("sync")
-    loop.train(_cfg(d, warm_model, f"ray.tasks_per_share={TASKS}", "ray.placement=colocated"))
+    runners.train(_cfg(d, warm_model, f"ray.tasks_per_share={TASKS}", "ray.placement=colocated"))
     return d
 
 
@@ -114,7 +115,7 @@ def test_sync_ray_run_matches_local_runner(sync_run, warm_model, tmp_path):
     from safetensors.torch import load_file
 
     local = tmp_path / "local"
-    loop.train(_cfg(local, warm_model, ray_on=False))
+    runners.train(_cfg(local, warm_model, ray_on=False))
     a, b = _comparable(_metrics(local)), _comparable(_metrics(sync_run))
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b, strict=True):
@@ -138,7 +139,7 @@ def test_sync_ray_run_matches_local_runner(sync_run, warm_model, tmp_path):
 
 def test_async_max_staleness_0_is_sync(sync_run, warm_model, tmp_path):
     d = tmp_path / "a0"
-    loop.train(
+    runners.train(
         _cfg(d, warm_model, f"ray.tasks_per_share={TASKS}", "ray.mode=async", "ray.max_staleness=0")
     )
     assert _comparable(_metrics(d)) == _comparable(_metrics(sync_run))
@@ -148,7 +149,7 @@ def test_async_max_staleness_0_is_sync(sync_run, warm_model, tmp_path):
 def test_async_max_staleness_1_trains_and_drops_nothing(ray_cluster, warm_model, tmp_path):
     """Two rollout workers, two gloo trainer ranks, generation one batch ahead."""
     d = tmp_path / "a1"
-    s = loop.train(
+    s = runners.train(
         _cfg(d, warm_model, "ray.mode=async", "ray.max_staleness=1", "ray.trainer_ranks=2")
     )
     steps = [r for r in _metrics(d) if "train/loss" in r]
@@ -191,7 +192,7 @@ def test_killed_rollout_worker_is_replaced_and_no_trajectory_is_lost(
     cfg = _cfg(d, warm_model, "ray.mode=one-step-off", "train.steps=4", "eval.episodes=0")
     cfg.run.dir = str(d.resolve())
     killer = _KillAt(f"{actor_prefix(cfg)}-rollout-0", at=1)
-    s = loop.train(cfg, killer)
+    s = runners.train(cfg, killer)
     assert killer.killed
     assert s["recovery/rollout_restarts"] >= 1
     ids = _trained_ids(d)
@@ -209,7 +210,7 @@ def test_trainer_failure_restarts_from_checkpoint(ray_cluster, warm_model, tmp_p
     cfg = _cfg(d, warm_model, "train.steps=4", "checkpoint.every=1", "eval.episodes=0")
     cfg.run.dir = str(d.resolve())
     killer = _KillAt(f"{actor_prefix(cfg)}-trainer-0-e1", at=2)
-    s = loop.train(cfg, killer)
+    s = runners.train(cfg, killer)
     assert killer.killed and s["recovery/trainer_restarts"] == 1
     ids = _trained_ids(d)
     assert sorted(ids) == sorted(_expected_ids(4))  # steps after the checkpoint trained once

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from gyre.config import DapoConfig, SamplingConfig
-from gyre.rollout.dapo import apply_overlong, mask_truncated, overlong_penalty, sample_groups
+from gyre.rollout.dapo import sample_groups
 from gyre.trainer.batch import collate
+from gyre.trainer.overlong import apply_overlong, mask_truncated, overlong_penalty
 from gyre.types import Trajectory
 
 CPU = torch.device("cpu")

@@ -18,16 +18,18 @@ def test_runner_defaults_to_local_and_ray_errors_name_the_fields():
         load_config(None, ["runner=ray", "ray.tasks_per_share=3"])
     with pytest.raises(ConfigError, match=r"ray.trainer_ranks=3 must divide"):
         load_config(None, ["runner=ray", "ray.trainer_ranks=3"])
-    with pytest.raises(ConfigError, match=r"advantage='gae' is not supported with runner=ray"):
-        load_config(None, ["runner=ray", "train.algo.advantage=gae"])
     with pytest.raises(ConfigError, match=r"needs ray.trainer_ranks=1"):
         load_config(
             None, ["runner=ray", "train.algo.advantage=reinforce_pp", "ray.trainer_ranks=2"]
         )
-    with pytest.raises(ConfigError, match=r"model.lora is not supported with runner=ray"):
-        load_config(None, ["runner=ray", "model.lora={rank: 4}"])
-    with pytest.raises(ConfigError, match=r"engine.kind='http' is not supported with runner=ray"):
-        load_config(None, ["runner=ray", "engine.kind=http", "engine.urls=[http://h:1]"])
+    with pytest.raises(ConfigError, match=r"weight_sync=shared .* separate actors"):
+        load_config(None, ["runner=ray", "engine.weight_sync=shared"])
+    # the former refusals are features now (tests/integration/test_ray_features.py)
+    for ok in (["train.algo.advantage=gae"], ["model.lora={rank: 4}"],
+               ["engine.kind=http", "engine.urls=[http://h:1]"],
+               ["train.dapo.dynamic_sampling=true"],
+               ["reward.functions=[{fn: 'reward_fixtures:length'}]"]):  # fmt: skip
+        assert load_config(None, ["runner=ray", *ok]).runner == "ray"
     with pytest.raises(ConfigError, match=r"'ray.mode'"):
         load_config(None, ["ray.mode=sometimes"])
     with pytest.raises(ConfigError, match=r"'runner'"):
@@ -36,8 +38,9 @@ def test_runner_defaults_to_local_and_ray_errors_name_the_fields():
 
 def test_loop_and_algorithms_do_not_import_ray():
     code = (
-        "import sys, gyre.loop, gyre.trainer.sft, gyre.algos, gyre.runners, gyre.runners.scheduler,"
-        " gyre.runners.actors, gyre.trainer.distributed; "
+        "import sys, gyre.loop, gyre.trainer, gyre.rollout, gyre.algos, gyre.runners,"
+        " gyre.runners.scheduler, gyre.runners.actors, gyre.runners.local, gyre.runners.placement,"
+        " gyre.trainer.distributed; "
         "print('ray' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -61,12 +64,12 @@ def test_placement_bundles_colocated_and_disaggregated():
 
 
 def test_runner_ray_without_ray_names_the_extra(monkeypatch, tmp_path):
-    from gyre import loop
+    from gyre import runners
 
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
     cfg = load_config(None, ["runner=ray", f"run.dir={tmp_path}", "sft.steps=0"])
     with pytest.raises(ImportError, match=r"pip install 'gyre\[ray\]'"):
-        loop.train(cfg)
+        runners.train(cfg)
 
 
 def test_async_runs_get_the_off_policy_correction_by_default():

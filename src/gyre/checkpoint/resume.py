@@ -465,3 +465,23 @@ __all__ = [
     "durable_size",
     "rewind_metrics",
 ]
+
+
+def check_nonfinite(cfg: Any, streak: int, phase: str, step: int) -> None:
+    """``faults.max_nonfinite_streak``: abort after that many skipped (NaN/inf) steps in a row."""
+    if streak >= cfg.faults.max_nonfinite_streak:
+        raise FaultAbort(
+            f"{phase} step {step}: {streak} steps in a row had a NaN/inf loss or gradient "
+            f"(faults.max_nonfinite_streak={cfg.faults.max_nonfinite_streak}); aborting"
+        )
+
+
+def check_failures(cfg: Any, failed: int, episodes: int, step: int) -> None:
+    """``faults.max_failed_fraction``: abort when too many episodes so far raised in the env."""
+    frac = failed / max(episodes, 1)
+    if frac > cfg.faults.max_failed_fraction:
+        raise FaultAbort(
+            f"GRPO step {step}: {failed} of {episodes} episodes failed in the env ({frac:.1%} > "
+            f"faults.max_failed_fraction={cfg.faults.max_failed_fraction}); see the logged "
+            "tracebacks"
+        )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -69,8 +70,9 @@ class VerifyReport:
         for e in self.events:
             lines.append(f"  {e.kind:<17} after {e.progress_lines:>4} metrics lines -> rc {e.rc}")
         if self.ok:
-            lines.append("RESUME IS EXACT: weights bit-identical, every metrics step once, same "
-                         "values")
+            lines.append(
+                "RESUME IS EXACT: weights bit-identical, every metrics step once, same values"
+            )
         else:
             lines.append("RESUME MISMATCH:")
             lines.extend(f"  {p}" for p in self.problems)
@@ -106,9 +108,15 @@ class _ForkProc:
                 os.environ.update(extra_env)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
-                from gyre.cli import main
-
-                rc = main(argv)
+                # exactly what ``python -m gyre.cli ARGV`` runs, in this already-imported process
+                sys.argv = ["gyre", *argv]
+                try:
+                    runpy.run_module("gyre.cli", run_name="__main__", alter_sys=True)
+                    rc = 0
+                except SystemExit as done:
+                    rc = (
+                        done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+                    )
             except BaseException:
                 import traceback
 
@@ -252,8 +260,9 @@ def verify_resume(
         time.sleep(0.05)
     report.straight_s = time.perf_counter() - t0
     if proc.returncode != EXIT_OK:
-        report.problems.append(f"straight run failed (rc {proc.returncode}); see "
-                               f"{work / 'straight.log'}")
+        report.problems.append(
+            f"straight run failed (rc {proc.returncode}); see {work / 'straight.log'}"
+        )
         return report
     lines = max(_progress(straight), 1)
     step_s = (time.perf_counter() - (first_progress or t0)) / lines
@@ -272,8 +281,11 @@ def verify_resume(
         before = _progress(killed)
         marker = work / "in-checkpoint-write"
         marker.unlink(missing_ok=True)
-        env = {"GYRE_FAULT": f"checkpoint.write:pause=600:{marker}"} if kind == (
-            "checkpoint-write") else {}
+        env = (
+            {"GYRE_FAULT": f"checkpoint.write:pause=600:{marker}"}
+            if kind == ("checkpoint-write")
+            else {}
+        )
         say(f"[verify-resume] {kind}: launching (resume=auto)")
         proc = _launch([*args, "run.resume=auto"], killed, log, env, fork)
         deadline = time.perf_counter() + timeout
@@ -307,8 +319,10 @@ def verify_resume(
         report.problems.append(f"final resume failed (rc {rc}); see {log}")
         return report
     if report.kills < kills:
-        report.problems.append(f"only {report.kills} of {kills} kills landed before the run "
-                               "finished (use a longer run)")
+        report.problems.append(
+            f"only {report.kills} of {kills} kills landed before the run "
+            "finished (use a longer run)"
+        )
     report.problems.extend(compare_runs(straight, killed))
     report.ok = not report.problems
     return report

@@ -186,6 +186,17 @@ class HttpEngine:
             self.version = version
         return acks
 
+    def adopt(self, path: str | Path, version: int, lora: bool) -> None:
+        """Another client of the same servers (a Ray trainer rank) loaded ``version`` from
+        ``path`` on them: send this client's requests to it, without pushing it again."""
+        path = str(Path(path).resolve())
+        with self._sync_lock:
+            if lora:
+                self._adapter = (f"{self.adapter_prefix}-v{version}", path)
+            else:
+                self._weights_path, self._adapter = path, None
+            self.version = version
+
     def _lora_route(self, verb: str) -> str:
         # vLLM: /v1/load_lora_adapter; SGLang: /load_lora_adapter (same bodies)
         return f"/v1/{verb}_lora_adapter" if self.api == "openai" else f"/{verb}_lora_adapter"

@@ -102,13 +102,19 @@ def load_pretrained(
         raise FileNotFoundError(
             f"model.path '{p}' is not a Hugging Face model folder (no config.json there)"
         )
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tokenizer = AutoTokenizer.from_pretrained(p)
+    tokenizer = load_tokenizer(p)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
     model.to(device)
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """A local folder's tokenizer (offline), with EOS as padding when it has no pad token."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(Path(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
 
 
 def count_parameters(model: torch.nn.Module) -> int:

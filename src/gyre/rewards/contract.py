@@ -384,12 +384,7 @@ class Rewarder:
             t.info["env_reward"] = batch.columns["env_reward"][k]
             t.info["rewards"] = {name: vals[k] for name, vals in values.items()}
             t.reward = totals[k]
-        n = max(1, len(totals))
-        for name, vals in values.items():
-            metrics[f"reward/{name}_mean"] = sum(vals) / n
-        mean = sum(totals) / n
-        metrics["reward/total_mean"] = mean
-        metrics["reward/total_std"] = math.sqrt(sum((v - mean) ** 2 for v in totals) / n)
+        metrics.update(reward_metrics(trajs))
         return metrics
 
     def close(self) -> None:
@@ -397,6 +392,22 @@ class Rewarder:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+def reward_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """``reward/<term>_mean``, ``reward/total_mean`` and ``reward/total_std`` of scored
+    trajectories (their ``info["rewards"]`` and total ``reward``); the Ray driver recomputes
+    them over a whole batch of shares scored by several workers."""
+    totals = [t.reward for t in trajs]
+    n = max(1, len(totals))
+    metrics: dict[str, float] = {}
+    names = list(trajs[0].info.get("rewards", {})) if trajs else []
+    for name in names:
+        metrics[f"reward/{name}_mean"] = sum(t.info["rewards"][name] for t in trajs) / n
+    mean = sum(totals) / n
+    metrics["reward/total_mean"] = mean
+    metrics["reward/total_std"] = math.sqrt(sum((v - mean) ** 2 for v in totals) / n)
+    return metrics
 
 
 def build_rewarder(cfg: RewardConfig, failure_log: str | Path | None = None) -> Rewarder | None:

@@ -1,36 +1,27 @@
-"""Runners: how the loop's phases are placed on processes.
+"""Runners place the loop's phases on processes; :func:`train` picks one from ``cfg.runner``.
 
-``local`` is :func:`gyre.loop.train` itself (one process). ``ray`` (:mod:`gyre.runners.ray`)
-puts rollout workers and a data-parallel trainer group into Ray actors. Only the ``ray_*``
-modules import Ray; the loop, algorithms and this package's other modules never do.
+``local`` (:mod:`gyre.runners.local`) calls the :class:`~gyre.trainer.Trainer` and
+:class:`~gyre.rollout.Rollout` in this process. ``ray`` (:mod:`gyre.runners.ray`) wraps the very
+same objects in Ray actors: rollout workers and a data-parallel trainer group. Both run
+:func:`gyre.loop.train`. Only ``runners/ray.py`` and ``runners/submit.py`` import Ray.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-RAY_MISSING = "the Ray runner needs Ray: pip install 'gyre[ray]'"
+from gyre.runners.placement import require_ray
 
 
-def require_ray() -> Any:
-    """Import Ray or fail with the extra to install."""
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(RAY_MISSING) from exc
-    return ray
+def train(cfg: Any, sink: Any = None) -> dict[str, Any]:
+    """Run ``cfg`` (SFT, then GRPO) on the runner it names; returns the run summary."""
+    if cfg.runner == "local":
+        from gyre.runners.local import train as local_train
 
-
-def get_runner(name: str) -> Callable[..., dict[str, Any]]:
-    """``train(cfg, sink=None) -> summary`` of the runner ``name``."""
-    if name == "local":
-        from gyre.loop import train
-
-        return train
-    if name == "ray":
+        return local_train(cfg, sink)
+    if cfg.runner == "ray":
         require_ray()
         from gyre.runners.ray import train as ray_train
 
-        return ray_train
-    raise ValueError(f"unknown runner {name!r}; valid: local, ray")
+        return ray_train(cfg, sink)
+    raise ValueError(f"unknown runner {cfg.runner!r}; valid: local, ray")

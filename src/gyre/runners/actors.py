@@ -1,9 +1,10 @@
 """The two actor roles of the Ray runner, as plain classes (``ray.remote`` wraps them).
 
-They hold the very objects the local runner uses -- a :class:`~gyre.engines.TorchEngine` and an
-env factory for rollouts, the policy + AdamW (+ frozen reference) for updates -- and call the
-loop's own phase functions, so a Ray run executes the same code as ``runner: local``. Nothing
-here imports Ray at module level; tests can drive them in-process.
+A :class:`RolloutWorker` holds one :class:`~gyre.rollout.Rollout` (engine, env factory, reward
+functions), a :class:`TrainerRank` one :class:`~gyre.trainer.Trainer` built by the same
+``Trainer.build`` the local runner uses, with the process group joined inside it. So a Ray run
+executes the same code as ``runner: local``: LoRA, GAE, reward functions (sandboxed too) and
+HTTP engines included. Nothing here imports Ray at module level; tests can drive them in-process.
 """
 
 from __future__ import annotations
@@ -12,29 +13,21 @@ import gc
 import os
 import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gyre.checkpoint.resume import Checkpointer
-from gyre.checkpoint.store import load_checkpoint_state
+from gyre.checkpoint.store import write_model_dir
 from gyre.config import Config
-from gyre.engines import TorchEngine
-from gyre.envs import env_factory
-from gyre.loop import STREAM_GRPO, _sampling, run_eval, update_phase
-from gyre.models.build import load_pretrained
-from gyre.rollout.episodes import RolloutStats, run_episodes
-from gyre.rollout.evaluate import train_seed
+from gyre.engines.factory import initial_sync
+from gyre.engines.sync import WeightSync
+from gyre.models.build import load_tokenizer
+from gyre.models.lora import load_policy
+from gyre.rollout.core import Rollout
 from gyre.runners.scheduler import Share
-from gyre.trainer import scoring
-from gyre.trainer.distributed import (
-    FSDPCollective,
-    TorchCollective,
-    shard_fsdp2,
-    state_bytes,
-)
+from gyre.trainer.core import Trainer
 from gyre.types import Trajectory
 
 
@@ -46,6 +39,8 @@ def _role_device(cfg: Config, num_gpus: float) -> torch.device:
 
 def _quiet_threads(cfg: Config, num_cpus: float) -> None:
     torch.set_num_threads(cfg.run.threads or max(1, int(num_cpus)))
+    from gyre.trainer import scoring
+
     scoring.configure(cfg.train.lean_forward, cfg.train.share_prefix)
     from transformers.utils import logging as hf_logging
 
@@ -54,14 +49,20 @@ def _quiet_threads(cfg: Config, num_cpus: float) -> None:
 
 
 class RolloutWorker:
-    """An engine + env factory that plays whole shares of tasks (all samples of each task)."""
+    """A :class:`Rollout` that plays whole shares of tasks (all samples of each task)."""
 
     def __init__(self, cfg: Config, model_path: str, index: int) -> None:
         _quiet_threads(cfg, cfg.ray.rollout.num_cpus)
         device = _role_device(cfg, cfg.ray.rollout.num_gpus)
-        model, self.tokenizer = load_pretrained(Path(model_path), device)
-        self.engine = TorchEngine(model, self.tokenizer.pad_token_id, seed=cfg.run.seed)
-        self.make_env = env_factory(cfg.env)
+        run_dir = Path(cfg.run.dir)
+        if cfg.engine.kind == "torch":  # the worker's own copy of the policy (LoRA: + adapter)
+            model, tokenizer = load_policy(cfg, run_dir, Path(model_path), device)
+        else:  # the servers hold the weights; requests go out with this client
+            model, tokenizer = None, load_tokenizer(model_path)
+        failures = f"reward_failures.rollout-{index}.jsonl"
+        self.rollout = Rollout.build(
+            cfg, run_dir, model, tokenizer, owns_model=True, failure_log=failures
+        )
         self.cfg = cfg
         self.index = index
 
@@ -72,58 +73,45 @@ class RolloutWorker:
         """torch intra-op threads of this actor (``run.threads`` / the role's CPUs)."""
         return torch.get_num_threads()
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
-        """Weight sync from the trainer; returns the seconds the copy took."""
+    def load_weights(self, weights: Any, version: int) -> float:
+        """Weight sync from the trainer (tensors, or an HTTP sync's folder); returns seconds."""
         t0 = time.perf_counter()
-        self.engine.load_weights(state, version)
+        if isinstance(weights, str):
+            self.rollout.follow(weights, version)
+        else:
+            self.rollout.load_weights(weights, version)
         return time.perf_counter() - t0
 
     def _catch_up(self, weights: list[Any] | None, version: int) -> float:
         """Load ``weights[0]`` (an object-store reference, boxed in a list so Ray does not fetch
         it for every call) when it is newer than the engine's; returns the seconds spent."""
-        if not weights or version <= self.engine.version:
+        if not weights or version <= self.rollout.version:
             return 0.0
         import ray
 
         t0 = time.perf_counter()
-        state = weights[0] if isinstance(weights[0], dict) else ray.get(weights[0])
-        self.engine.load_weights(state, version)
+        w = weights[0]
+        state = w if isinstance(w, (dict, str)) else ray.get(w)
+        self.load_weights(state, version)
         return time.perf_counter() - t0
 
     def rollout(
-        self, share: Share, weights: list[Any] | None = None, version: int = -1
+        self, share: Share, weights: list[Any] | None = None, version: int = -1, step: int = 0
     ) -> dict[str, Any]:
-        """Play ``group_size`` episodes of each task of ``share``, first loading ``weights`` of
-        ``version`` if the engine is older: the weight sync rides on the rollout call."""
+        """Play and score ``share``, first loading ``weights`` of ``version`` if the engine is
+        older: the weight sync rides on the rollout call."""
         t_call, cpu_call = time.perf_counter(), time.process_time()
         load_s = self._catch_up(weights, version)
-        cfg = self.cfg
-        seeds = [
-            train_seed(cfg.run.seed, STREAM_GRPO, share.first_task + k)
-            for k in range(share.num_tasks)
-        ]
-        stats = RolloutStats()
-        trajs = run_episodes(
-            self.make_env,
-            self.engine,
-            self.tokenizer,
-            seeds,
-            cfg.train.group_size,
-            _sampling(cfg, self.tokenizer, seed=share.seed),
-            stats,
-        )
-        G = cfg.train.group_size
-        for i, t in enumerate(trajs):
-            task = share.first_task + i // G
-            t.group_id = task
-            t.traj_id = f"{task}:{i % G}"
+        m: dict[str, float] = {}
+        trajs, stats = self.rollout.play(share.first_task, share.num_tasks, share.seed, m, step)
         return {
             "share": share.index,
             "trajs": trajs,
+            "metrics": m,
             "tokens": stats.generated_tokens,
             "seconds": stats.seconds,
             "worker": self.index,
-            "version": self.engine.version,
+            "version": self.rollout.version,
             "load_s": load_s,
             "wall_s": time.perf_counter() - t_call,
             # CPU seconds of this process: ~wall_s when it had its core, less when it waited
@@ -133,7 +121,7 @@ class RolloutWorker:
 
     def evaluate(self, weights: list[Any] | None = None, version: int = -1) -> dict[str, float]:
         self._catch_up(weights, version)
-        return run_eval(self.cfg, self.engine, self.tokenizer)
+        return self.rollout.evaluate()
 
     def release_memory(self) -> None:
         """Colocated placement: give memory back before the trainer runs on the same devices.
@@ -142,9 +130,12 @@ class RolloutWorker:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def close(self) -> None:
+        self.rollout.close()
+
 
 class TrainerRank:
-    """One data-parallel rank: policy, optimizer and optional frozen reference."""
+    """One data-parallel rank: a :class:`Trainer` (policy, optimizer, reference, value model)."""
 
     def __init__(
         self,
@@ -160,17 +151,11 @@ class TrainerRank:
         self.rank = rank
         self.world_size = world_size
         self.device = _role_device(cfg, cfg.ray.trainer.num_gpus)
-        self.model, self.tokenizer = load_pretrained(Path(policy_path), self.device)
-        self.ref_model = None
-        if cfg.train.kl_coef > 0 and ref_path:
-            self.ref_model, _ = load_pretrained(Path(ref_path), self.device)
-            self.ref_model.eval()
-        self.strategy = cfg.ray.strategy
-        if self.strategy == "auto":
-            self.strategy = "fsdp2" if self.device.type == "cuda" else "ddp"
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.paths = (Path(policy_path), Path(ref_path) if ref_path else None)
         self.resume_checkpoint = resume_checkpoint
-        self.comm: TorchCollective | None = None
+        self.trainer: Trainer | None = None
+        self.http_sync: WeightSync | None = None  # rank 0 of a run whose engines are servers
+        self._pushed = False
 
     def threads(self) -> int:
         return torch.get_num_threads()
@@ -189,89 +174,68 @@ class TrainerRank:
         return host, port
 
     def init_group(self, host: str, port: int) -> str:
-        import torch.distributed as dist
-
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(minutes=10),
-        )
-        if self.strategy == "fsdp2":
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            self.model = shard_fsdp2(self.model)
-            self.comm = FSDPCollective()
-            if self.cfg.train.algo.skip_zero_advantage:
-                # every FSDP2 rank must run the same backward passes (each is a collective)
-                self.cfg = self.cfg.model_copy(deep=True)
-                self.cfg.train.algo.skip_zero_advantage = False
-        else:
-            self.comm = TorchCollective()
-            self.comm.broadcast_parameters(self.model)
-        cfg = self.cfg
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
-        )
+        """Build the :class:`Trainer` inside the process group (and restore a checkpoint)."""
+        run_dir = Path(self.cfg.run.dir)
+        world = (self.rank, self.world_size, f"tcp://{host}:{port}")
+        policy, ref = self.paths
+        self.trainer = Trainer.build(self.cfg, run_dir, policy, ref, self.device, world)
         if self.resume_checkpoint:
-            load_checkpoint_state(Path(self.resume_checkpoint), self.optimizer)
-        return f"{backend}/{self.strategy}"
+            self.trainer.restore(Path(self.resume_checkpoint))
+        if self.rank == 0 and self.cfg.engine.kind != "torch":
+            from gyre.engines.factory import build_engine
+
+            tok = self.trainer.tokenizer
+            _, self.http_sync = build_engine(self.cfg, self.trainer.model, tok, run_dir)
+        return type(self.trainer.comm).__name__
 
     def update(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
         """Phases 3-4 on this rank's shard of whole groups (advantages need whole groups)."""
-        assert self.optimizer is not None, "init_group first"
+        assert self.trainer is not None, "init_group first"
         t0, cpu0 = time.perf_counter(), time.process_time()
-        m = update_phase(
-            self.cfg,
-            step,
-            self.model,
-            self.optimizer,
-            trajs,
-            self.tokenizer.pad_token_id,
-            self.ref_model,
-            comm=self.comm,
-        )
+        m = self.trainer.update(step, trajs)
         m["time/trainer_update_s"] = time.perf_counter() - t0
         m["time/trainer_update_cpu_s"] = time.process_time() - cpu0
         return m
 
-    def update_and_gather(
-        self, step: int, trajs: list[Trajectory]
-    ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    def update_and_gather(self, step: int, trajs: list[Trajectory]) -> tuple[dict[str, float], Any]:
         """``update`` then ``get_weights`` in one call (called with ``num_returns=2``): the
         weights go from this actor into the object store and on to the engines without a second
         round trip and without passing through the driver."""
         m = self.update(step, trajs)
         t0 = time.perf_counter()
-        state, nbytes = self.get_weights()
+        state, nbytes = self.get_weights(step)
         m["time/sync_gather_s"] = time.perf_counter() - t0
         m["sync/bytes"] = float(nbytes)
         return m, state
 
-    def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
-        """(full CPU state dict, its bytes); under FSDP2 every rank must call it (a gather)."""
-        assert self.comm is not None
-        state = self.comm.full_state_dict(self.model)
-        return state, state_bytes(state)
+    def get_weights(self, version: int = 0) -> tuple[Any, int]:
+        """(full CPU state dict or the adapter's, its bytes); under FSDP2 every rank must call it
+        (a gather). With HTTP engines rank 0 instead writes ``version`` to the sync folder and
+        has every server load it, and returns that folder for the workers to follow."""
+        assert self.trainer is not None
+        if self.http_sync is not None:
+            if not self._pushed:  # first push: under LoRA the servers need the SFT base first
+                run_dir = Path(self.cfg.run.dir)
+                lora_sft = self.cfg.model.lora is not None and (run_dir / "sft").is_dir()
+                initial_sync(self.http_sync, self.trainer.model, version,
+                             run_dir / "sft" if lora_sft else None)  # fmt: skip
+                self._pushed = True
+            else:
+                self.http_sync.sync(self.trainer.model, version)
+            path = str(self.http_sync.sync_dir / f"v{version}")
+            return path, 0
+        state = self.trainer.weights()
+        return state, sum(t.numel() * t.element_size() for t in state.values())
 
     def save(self, step: int, state: dict[str, Any], keep: int) -> str | None:
         """A GRPO checkpoint through the local loop's :class:`~gyre.checkpoint.resume.Checkpointer`
         (same layout, config hash, metrics offset, retention ``checkpoint.keep`` and
         ``checkpoint.on_error``); None when the write failed and the policy is to continue."""
-        assert self.optimizer is not None
+        assert self.trainer is not None
         run_dir = Path(self.cfg.run.dir)
-        return Checkpointer(self.cfg, run_dir).save(
-            "grpo", step, self.model, self.tokenizer, self.optimizer, state,
-            run_dir / "metrics.jsonl",
-        )  # fmt: skip
+        ckpt = Checkpointer(self.cfg, run_dir)
+        return self.trainer.save(ckpt, step, state, run_dir / "metrics.jsonl")
 
     def save_final(self, out_dir: str) -> None:
-        import shutil
-
-        final = Path(out_dir)
-        if final.exists():
-            shutil.rmtree(final)
-        self.model.save_pretrained(final)
-        self.tokenizer.save_pretrained(final)
+        assert self.trainer is not None
+        write_model_dir(Path(out_dir), self.trainer.model, self.trainer.tokenizer)

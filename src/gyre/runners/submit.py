@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import load_config
-from gyre.runners import require_ray
+from gyre.runners.placement import require_ray
 
 
 def build_job(

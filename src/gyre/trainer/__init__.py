@@ -1,2 +1,7 @@
-"""Everything one policy update needs: batching, scoring, the update, the critic, SFT, and
-data parallelism."""
+"""Everything one policy update needs: the :class:`Trainer`, batching (``batch``), scoring
+(``scoring``), the update (``update``), value models (``critic``), data parallelism
+(``distributed``), SFT (``sft``, ``warmstart``)."""
+
+from gyre.trainer.core import Trainer
+
+__all__ = ["Trainer"]

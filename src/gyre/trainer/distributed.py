@@ -53,16 +53,11 @@ class TorchCollective:
         return StepCounts(float(sums[0]), float(sums[1]), float(longest[0]))
 
     def sync_gradients(self, model: torch.nn.Module) -> None:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads or self.world_size == 1:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
+        _all_reduce_grads(model, 1.0)
+
+    def sync_module_gradients(self, module: torch.nn.Module) -> None:
+        """Sum an unsharded module's gradients (a value model) over ranks, as for the policy."""
+        _all_reduce_grads(module, 1.0)
 
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
         with torch.no_grad():
@@ -102,6 +97,11 @@ class FSDPCollective(TorchCollective):
     def sync_gradients(self, model: torch.nn.Module) -> None:
         return  # done inside backward by FSDP2's reduce-scatter
 
+    def sync_module_gradients(self, module: torch.nn.Module) -> None:
+        """An unsharded module (a value model) is not reduced by FSDP2: its gradients are summed
+        here and divided by W, because the loss weights were scaled by W (see the class)."""
+        _all_reduce_grads(module, 1.0 / self.world_size)
+
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
         return  # fully_shard keeps rank 0's initialisation via the sharded load below
 
@@ -110,6 +110,21 @@ class FSDPCollective(TorchCollective):
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(model, options=opts)
+
+
+def _all_reduce_grads(module: torch.nn.Module, scale: float) -> None:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    if scale != 1.0:
+        flat = flat * scale
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n
 
 
 def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:

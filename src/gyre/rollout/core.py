@@ -1,0 +1,211 @@
+"""The :class:`Rollout`: engine(s), env factory, reward functions and dynamic sampling.
+
+    generate(step) -> (trajectories, metrics)   phases 1-2 of a local step: the next tasks of
+                                                the run's task stream, played, scored, and with
+                                                DAPO dynamic sampling refilled
+    play(first_task, num_tasks, seed)           one contiguous block of tasks (a Ray *share*),
+                                                played and scored
+    evaluate() -> metrics                       held-out success of the engine's weights
+    sync(model, version) / load_weights(...)    keep the engine at the trainer's version
+
+The local runner holds one; each Ray rollout worker holds one (``runners/actors.py``), so a
+reward function, a LoRA policy or an HTTP engine works the same on both. Task ``i`` of GRPO is
+seed ``train_seed(run.seed, STREAM_GRPO, i)``; every trajectory gets ``group_id = i`` and
+``traj_id = "i:j"`` (sample j), so a task's samples can be traced and trained only once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gyre.config import Config
+from gyre.engines.factory import build_engine, initial_sync
+from gyre.engines.sync import WeightSync
+from gyre.envs import env_factory
+from gyre.rewards import build_rewarder
+from gyre.rollout.dapo import sample_groups
+from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids
+from gyre.rollout.evaluate import evaluate, train_seed
+from gyre.telemetry import timed
+from gyre.types import SamplingParams, Trajectory
+
+STREAM_SFT, STREAM_GRPO = 1, 2
+
+
+def rollout_seed(cfg: Config, step: int, round_: int = 0) -> int:
+    """The sampler seed of GRPO step ``step`` (1-based), rollout round ``round_``."""
+    return (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
+
+
+def sampling_params(cfg: Config, tokenizer: Any, seed: int | None) -> SamplingParams:
+    s = cfg.train.sampling
+    return SamplingParams(s.temperature, s.top_p, s.max_new_tokens, stop_ids(tokenizer), seed)
+
+
+def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
+    """A training batch's rollout statistics (groups of ``group_size``)."""
+    rewards = torch.tensor([t.reward for t in trajs])
+    grouped = rewards.view(-1, group_size)
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/success_rate": float(np.mean([t.success for t in trajs])),
+        "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+        "rollout/response_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
+        "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
+        "rollout/failed_episodes": float(sum(bool(t.info.get("failed")) for t in trajs)),
+    }
+
+
+class Rollout:
+    """Plays the run's tasks with its engine and scores them (env reward + reward functions)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        engine: Any,
+        tokenizer: Any,
+        syncer: WeightSync | None = None,
+        rewarder: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.syncer = syncer
+        self.rewarder = rewarder
+        self.make_env = env_factory(cfg.env)
+        self.next_task = 0  # the local task stream's position (tasks consumed so far)
+
+    @classmethod
+    def build(
+        cls,
+        cfg: Config,
+        run_dir: Path,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        owns_model: bool = False,
+        failure_log: str = "reward_failures.jsonl",
+    ) -> Rollout:
+        """The engine for ``cfg.engine`` over ``model`` and the reward functions of ``cfg.reward``.
+
+        ``owns_model``: ``model`` is this rollout's own copy (a Ray worker loaded it), so the
+        in-process engine runs it as is; otherwise it is the trainer's policy and the engine
+        gets a copy (or, with ``engine.weight_sync=shared``, the very same parameters).
+        """
+        if owns_model and cfg.engine.kind == "torch":
+            from gyre.engines.torch_engine import TorchEngine
+
+            engine: Any = TorchEngine(
+                model, tokenizer.pad_token_id, seed=cfg.run.seed,
+                lean_forward=cfg.engine.lean_forward,
+            )  # fmt: skip
+            syncer = None
+        else:
+            engine, syncer = build_engine(cfg, model, tokenizer, run_dir)
+        # Built before any training, so a bad reward config or a sandbox that cannot isolate
+        # fails now.
+        rewarder = build_rewarder(cfg.reward, run_dir / failure_log)
+        return cls(cfg, engine, tokenizer, syncer, rewarder)
+
+    # -- playing ------------------------------------------------------------------------------
+    def play(
+        self,
+        first_task: int,
+        num_tasks: int,
+        seed: int,
+        m: dict[str, float] | None = None,
+        step: int = 0,
+    ) -> tuple[list[Trajectory], RolloutStats]:
+        """``group_size`` episodes of each of the tasks ``first_task ..`` (+ ``num_tasks``),
+        sampled with ``seed``, then scored by the reward functions (``m`` gets their metrics)."""
+        cfg, G = self.cfg, self.cfg.train.group_size
+        tasks = range(first_task, first_task + num_tasks)
+        seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
+        stats = RolloutStats()
+        params = sampling_params(cfg, self.tokenizer, seed)
+        trajs = run_episodes(self.make_env, self.engine, self.tokenizer, seeds, G, params, stats)
+        for i, t in enumerate(trajs):
+            t.group_id = first_task + i // G
+            t.traj_id = f"{t.group_id}:{i % G}"
+        if self.rewarder is not None:  # t.reward becomes the weighted total
+            m = {} if m is None else m
+            with timed(m, "time/reward_s"):
+                m.update(self.rewarder.score(trajs, self.tokenizer, step))
+        return trajs, stats
+
+    def generate(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Phases 1-2 of a local step: ``train.tasks_per_step`` groups of the next tasks, scored;
+        with DAPO dynamic sampling, more rounds until the groups have reward variance."""
+        cfg = self.cfg
+        m: dict[str, float] = {}
+        totals = RolloutStats()
+
+        def round_(n_tasks: int, rnd: int) -> list[Trajectory]:
+            trajs, stats = self.play(self.next_task, n_tasks, rollout_seed(cfg, step, rnd), m, step)
+            self.next_task += n_tasks
+            for k in ("seconds", "generated_tokens", "turns", "failed_episodes"):
+                setattr(totals, k, getattr(totals, k) + getattr(stats, k))
+            return trajs
+
+        dapo = cfg.train.dapo
+        with timed(m, "time/rollout_s"):
+            trajs, dapo_m = sample_groups(
+                round_, cfg.train.tasks_per_step, dynamic=dapo.dynamic_sampling,
+                max_rounds=dapo.max_rounds,
+            )  # fmt: skip
+        m.update(dapo_m)
+        m["perf/rollout_tokens_per_s"] = totals.tokens_per_s
+        return trajs, m
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out evaluation of the engine's current weights with the run's settings."""
+        cfg = self.cfg
+        if cfg.eval.episodes == 0:
+            return {}
+        s = cfg.train.sampling
+        return evaluate(
+            self.engine, self.make_env, self.tokenizer, cfg.eval.episodes, s.temperature,
+            s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed, top_p=s.top_p,
+        )  # fmt: skip
+
+    # -- weights ------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return int(self.engine.version)
+
+    def generators(self) -> dict[str, Any]:
+        """RNG state that carries from step to step (the in-process engine's sampler)."""
+        gen = getattr(self.engine, "_generator", None)
+        return {"engine": gen} if gen is not None else {}
+
+    def start_sync(self, model: torch.nn.Module, sft_base: Path | None) -> None:
+        """Before the first rollout of a disk-synced run, give every engine the policy."""
+        if self.syncer is not None:
+            initial_sync(self.syncer, model, self.engine.version, sft_base)
+
+    def sync_due(self, step: int) -> bool:
+        return self.syncer is not None and self.syncer.due(step, self.cfg.train.steps)
+
+    def sync(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+        """Phase 5 in one process: the trainer's ``model`` -> the engine, as ``version``."""
+        assert self.syncer is not None
+        return self.syncer.sync(model, version)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Tensors from a trainer in another process (a Ray broadcast)."""
+        self.engine.load_weights(state, version)
+
+    def follow(self, path: str, version: int) -> None:
+        """An HTTP engine whose servers were given ``version`` (from ``path``) by the trainer:
+        point this client's requests at it without pushing it again."""
+        self.engine.adopt(path, version, lora=self.cfg.model.lora is not None)
+
+    def close(self) -> None:
+        if self.rewarder is not None:
+            self.rewarder.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()

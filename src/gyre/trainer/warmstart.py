@@ -1,0 +1,119 @@
+"""The SFT warm start: supervised fine-tuning on noisy-expert demonstrations, resumable.
+
+The demonstrations come from the env's own demonstrator (``gyre.rollout.episodes.demonstrate``)
+on training seeds; the run writes ``<run.dir>/sft/`` and ``sft_metrics.jsonl``. Every runner runs
+it in its own (driver) process before GRPO.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gyre.checkpoint.resume import (
+    Checkpointer,
+    ResumePlan,
+    StopGuard,
+    TaskCursor,
+    cached,
+    check_nonfinite,
+    preempt_if_requested,
+    rewind_metrics,
+)
+from gyre.checkpoint.store import load_into, write_model_dir
+from gyre.config import Config
+from gyre.envs import env_factory
+from gyre.models.build import load_pretrained
+from gyre.rollout.core import STREAM_SFT
+from gyre.rollout.episodes import demonstrate
+from gyre.rollout.evaluate import train_seed
+from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
+from gyre.trainer.batch import collate
+from gyre.trainer.sft import sft_step
+
+
+def run_sft(
+    cfg: Config,
+    run_dir: Path,
+    device: torch.device,
+    base: Path,
+    ckpt: Checkpointer | None = None,
+    resume: ResumePlan | None = None,
+    guard: StopGuard | None = None,
+) -> Path:
+    """Supervised warm start on noisy-expert demonstrations; writes ``<run.dir>/sft/``.
+
+    Resumable: every ``checkpoint.sft_every`` steps (and on a stop signal) the model,
+    optimizer, LR scheduler, data cursor and RNGs go to an ``sft_NNNNNN`` checkpoint.
+    """
+    out_dir = run_dir / "sft"
+    metrics_path = run_dir / "sft_metrics.jsonl"
+    ckpt = ckpt or Checkpointer(cfg, run_dir)
+    resuming = resume is not None and resume.phase == "sft" and resume.ckpt is not None
+    model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
+    make_env = env_factory(cfg.env)
+    rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
+    demo_key = {
+        "seed": cfg.run.seed,
+        "env": cfg.env.model_dump(),
+        "n": cfg.sft.demos,
+        "noise": cfg.sft.noise,
+        "vocab": tokenizer.get_vocab(),
+    }
+    demos = cached(
+        run_dir / "sft_demos.pt",
+        demo_key,
+        lambda: [
+            demonstrate(
+                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng
+            )
+            for k in range(cfg.sft.demos)
+        ],
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.sft.warmup_steps))
+    )
+    cursor = TaskCursor(len(demos), np.random.default_rng([cfg.run.seed, STREAM_SFT, 1]))
+    start, streak = 0, 0
+    if resuming:
+        assert resume is not None and resume.ckpt is not None
+        state = load_into(resume.ckpt, opt, sched)
+        cursor.load_state_dict(state["data"])
+        start, streak = int(state["step"]), int(state.get("nonfinite_streak", 0))
+        rewind_metrics(metrics_path, int(state["metrics_offset"]))
+    else:
+        rewind_metrics(metrics_path, 0)
+    sinks: list[MetricsSink] = [JsonlSink(metrics_path)]
+    if cfg.log.console != "off":
+        sinks.append(ConsoleSink(cfg.sft.steps, cfg.log.console, "SFT"))
+    sink = MultiSink(*sinks)
+
+    def save(step: int) -> str | None:
+        state = {"data": cursor.state_dict(), "nonfinite_streak": streak}
+        return ckpt.save("sft", step, model, tokenizer, opt, state, metrics_path, sched)
+
+    try:
+        for step in range(start + 1, cfg.sft.steps + 1):
+            idx = cursor.take(cfg.sft.batch_size)
+            batch = collate([demos[i] for i in idx], tokenizer.pad_token_id, device)
+            lr = opt.param_groups[0]["lr"]
+            metrics = sft_step(
+                model, opt, batch, cfg.train.micro_batch_size, cfg.train.max_grad_norm
+            )
+            sched.step()
+            streak = streak + 1 if metrics["sft/nonfinite_skipped"] else 0
+            sink.log(step, {**metrics, "sft/lr": lr})
+            check_nonfinite(cfg, streak, "SFT", step)
+            saved = None
+            every = cfg.checkpoint.sft_every
+            if every and step % every == 0 and step < cfg.sft.steps:
+                saved = save(step)
+            preempt_if_requested(guard, "sft", step, saved, lambda s=step: save(s))
+    finally:
+        sink.close()
+    write_model_dir(out_dir, model, tokenizer)
+    ckpt.drop_sft()
+    return out_dir
