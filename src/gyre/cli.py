@@ -192,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             run_dir, device = loop.setup(cfg)
             from gyre.engines import TorchEngine
+            from gyre.engines.factory import torch_engine_options
             from gyre.models.build import load_pretrained
 
             model, tok = load_pretrained(Path(cfg.model.path), device)
-            res = loop.run_eval(cfg, TorchEngine(model, tok.pad_token_id, cfg.run.seed), tok)
+            engine = TorchEngine(
+                model, tok.pad_token_id, cfg.run.seed, **torch_engine_options(cfg.perf)
+            )
+            res = loop.run_eval(cfg, engine, tok)
             (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
             console.print(_table([(cfg.model.path, res)]))
     except Preempted as exc:

@@ -51,7 +51,6 @@ from gyre.rollout.episodes import RolloutStats, demonstrate, run_episodes, stop_
 from gyre.rollout.evaluate import evaluate, train_seed
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink, timed
 from gyre.telemetry.factory import build_telemetry
-from gyre.trainer import scoring
 from gyre.trainer.batch import collate
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.sft import sft_step
@@ -79,7 +78,6 @@ def setup(cfg: Config, fresh_check: bool = False) -> tuple[Path, torch.device]:
         Checkpointer(cfg, run_dir).check_fresh()
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.run.threads or os.cpu_count() or 1)
-    scoring.configure(cfg.train.lean_forward, cfg.train.share_prefix)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed % 2**32)
     torch.manual_seed(cfg.run.seed)
@@ -110,6 +108,7 @@ def run_eval(cfg: Config, engine: TorchEngine, tokenizer: Any) -> dict[str, floa
         sampled=cfg.eval.sampled,
         seed=cfg.run.seed,
         top_p=cfg.train.sampling.top_p,
+        continuous=cfg.perf.continuous,
     )
 
 
@@ -249,7 +248,7 @@ def update_phase(
     """
     m = {} if metrics is None else metrics
     device = next(model.parameters()).device
-    algo, settings = cfg.train.algo, settings_from_config(cfg.train)
+    algo, settings = cfg.train.algo, settings_from_config(cfg.train, cfg.perf)
     rewards = torch.tensor([t.reward for t in trajs])
     groups = torch.tensor([t.group_id for t in trajs])
     batch = collate(trajs, pad_token_id, device)
@@ -300,7 +299,10 @@ def _task_rollout(
     def generate(n_tasks: int, round_: int) -> list[Trajectory]:
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in cursor.take(n_tasks)]
         params = _sampling(cfg, tokenizer, seed=rollout_seed(cfg, step, round_))
-        return run_episodes(make_env, engine, tokenizer, seeds, cfg.train.group_size, params, stats)
+        return run_episodes(
+            make_env, engine, tokenizer, seeds, cfg.train.group_size, params, stats,
+            continuous=cfg.perf.continuous,
+        )  # fmt: skip
 
     return generate
 

@@ -268,6 +268,32 @@ def test_config_mismatch_lists_fields(tmp_path):
     assert "run.seed" not in msg and "train.steps" not in msg
 
 
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("perf.pack=false", "perf.pack: checkpoint=True, now=False"),
+        ("perf.logprob_chunk=256", "perf.logprob_chunk: checkpoint=1024, now=256"),
+        ("perf.continuous=false", "perf.continuous: checkpoint=True, now=False"),
+    ],
+)
+def test_resume_with_other_perf_values_is_refused(tmp_path, override, line):
+    """perf.* can change float order, so like any identity key it is in the config hash and a
+    resume with another value is refused, naming the key (as for train.lr above)."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    saved = load_config(None, ["run.seed=1"]).model_dump(mode="json")
+    (ckpt / "config.json").write_text(json.dumps(saved))
+    assert saved["perf"]["pack"] is True  # the section is part of the saved run config
+    now = load_config(None, ["run.seed=1", override]).model_dump(mode="json")
+    assert config_hash(now) != config_hash(saved)
+    with pytest.raises(CheckpointMismatchError) as info:
+        check_config(ckpt, now)
+    assert line in str(info.value)
+    same = load_config(None, ["run.seed=1"]).model_dump(mode="json")
+    check_config(ckpt, same)
+    assert config_hash(same) == config_hash(saved)
+
+
 def test_model_mismatch_lists_fields(tmp_path, tiny_cfg):
     from gyre.models.build import create_tiny_checkpoint
 

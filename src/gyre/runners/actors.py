@@ -22,13 +22,13 @@ from gyre.checkpoint.resume import Checkpointer
 from gyre.checkpoint.store import load_checkpoint_state
 from gyre.config import Config
 from gyre.engines import TorchEngine
+from gyre.engines.factory import torch_engine_options
 from gyre.envs import env_factory
 from gyre.loop import STREAM_GRPO, _sampling, run_eval, update_phase
 from gyre.models.build import load_pretrained
 from gyre.rollout.episodes import RolloutStats, run_episodes
 from gyre.rollout.evaluate import train_seed
 from gyre.runners.scheduler import Share
-from gyre.trainer import scoring
 from gyre.trainer.distributed import (
     FSDPCollective,
     TorchCollective,
@@ -46,7 +46,6 @@ def _role_device(cfg: Config, num_gpus: float) -> torch.device:
 
 def _quiet_threads(cfg: Config, num_cpus: float) -> None:
     torch.set_num_threads(cfg.run.threads or max(1, int(num_cpus)))
-    scoring.configure(cfg.train.lean_forward, cfg.train.share_prefix)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -60,7 +59,9 @@ class RolloutWorker:
         _quiet_threads(cfg, cfg.ray.rollout.num_cpus)
         device = _role_device(cfg, cfg.ray.rollout.num_gpus)
         model, self.tokenizer = load_pretrained(Path(model_path), device)
-        self.engine = TorchEngine(model, self.tokenizer.pad_token_id, seed=cfg.run.seed)
+        self.engine = TorchEngine(
+            model, self.tokenizer.pad_token_id, seed=cfg.run.seed, **torch_engine_options(cfg.perf)
+        )
         self.make_env = env_factory(cfg.env)
         self.cfg = cfg
         self.index = index
@@ -111,6 +112,7 @@ class RolloutWorker:
             cfg.train.group_size,
             _sampling(cfg, self.tokenizer, seed=share.seed),
             stats,
+            continuous=cfg.perf.continuous,
         )
         G = cfg.train.group_size
         for i, t in enumerate(trajs):
