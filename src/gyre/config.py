@@ -86,8 +86,10 @@ class MazeConfig(_Section):
         "the open moves + goal offset; window: a local square; grid: the whole grid every turn.",
     )
     view: int = Field(
-        1, ge=1, description="View radius: compass cells within this many moves; exits looks 1 or 2"
-        " moves ahead; window half-width."
+        1,
+        ge=1,
+        description="View radius: compass cells within this many moves; exits looks 1 or 2"
+        " moves ahead; window half-width.",
     )
 
 
@@ -98,7 +100,7 @@ class ArithmeticConfig(_Section):
 
 class DatasetConfig(_Section):
     path: str = Field(
-        "", description="JSONL file, one task a line: {\"prompt\": ..., \"answer\": ..., ...}."
+        "", description='JSONL file, one task a line: {"prompt": ..., "answer": ..., ...}.'
     )
     prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
     answer_field: str = Field(

@@ -227,8 +227,13 @@ def _env_failure(episode: int, seed: int, where: str) -> dict:
     ``faults.max_failed_fraction``.
     """
     tb = traceback.format_exc()
-    _log.warning("env %s raised in episode %d (task seed %d); episode marked failed:\n%s",
-                 where, episode, seed, tb)
+    _log.warning(
+        "env %s raised in episode %d (task seed %d); episode marked failed:\n%s",
+        where,
+        episode,
+        seed,
+        tb,
+    )
     return {"success": False, "failed": True, "error": tb.strip().splitlines()[-1]}
 
 
