@@ -44,8 +44,12 @@ Run::
     python bench/rollout.py --threads 2 --repeats 5
     python bench/rollout.py --model /path/to/hf-folder
     python bench/rollout.py --quick          # smoke test, a few seconds
-    GYRE_COMPACTION=0 python bench/rollout.py  # one optimisation off (docs/performance.md)
-    GYRE_LEAN=0 python bench/rollout.py        # the engine on the HF forward
+    python bench/rollout.py --perf compaction=false  # one optimisation off (docs/performance.md)
+    python bench/rollout.py --perf engine_lean_forward=false  # the engine on the HF forward
+
+``--perf KEY=VALUE`` (repeatable) sets a key of the run config's ``perf:`` section for the gyre
+side, exactly as ``gyre train perf.KEY=VALUE`` would (the engine's switches and
+``continuous``; the trainer's keys do nothing here).
 
 The last line of output is one JSON object with every figure and the gyre/HF ratios.
 """
@@ -68,8 +72,9 @@ import torch
 import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from gyre.config import ModelConfig
+from gyre.config import ModelConfig, PerfConfig, load_config
 from gyre.engines import TorchEngine
+from gyre.engines.factory import torch_engine_options
 from gyre.envs import MazeEnv
 from gyre.models.build import CHARSET, count_parameters, create_tiny_checkpoint, load_pretrained
 from gyre.rollout.episodes import RolloutStats, encode_obs, prompt_ids, run_episodes, stop_ids
@@ -228,6 +233,7 @@ def multi_turn_gyre(
     seeds: Sequence[int],
     group_size: int,
     max_new_tokens: int,
+    continuous: bool = True,
 ) -> RunResult:
     params = SamplingParams(
         temperature=TEMPERATURE,
@@ -238,7 +244,9 @@ def multi_turn_gyre(
     stats = RolloutStats()
     before = engine.stats["prefill_tokens"]
     t0 = time.perf_counter()
-    trajs = run_episodes(make_env, engine, tokenizer, seeds, group_size, params, stats)
+    trajs = run_episodes(
+        make_env, engine, tokenizer, seeds, group_size, params, stats, continuous=continuous
+    )
     dt = time.perf_counter() - t0
     return RunResult(
         dt,
@@ -316,6 +324,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--compile", action="store_true", help="gyre: torch.compile the decode step (slow warm-up)"
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: smoke test")
+    p.add_argument(
+        "--perf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="gyre: a perf.* config key, e.g. compaction=false (repeatable)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.group_size, args.max_new_tokens = 2, 4, 8
@@ -323,6 +338,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("threads", "prompts", "group_size", "max_new_tokens", "episodes", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    overrides = [f"perf.{item}" for item in args.perf]
+    if args.compile:
+        overrides.append("perf.compile_decode=true")
+    try:
+        args.perf_config = load_config(None, overrides).perf
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -346,8 +368,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model, tokenizer = load_model(args.model or None, args.seed, workdir)
+    perf: PerfConfig = args.perf_config
     engine = TorchEngine(
-        model, pad_token_id=tokenizer.pad_token_id, seed=args.seed, compile_decode=args.compile
+        model, pad_token_id=tokenizer.pad_token_id, seed=args.seed, **torch_engine_options(perf)
     )
     torch.manual_seed(args.seed)  # HF generate samples from the global RNG
 
@@ -363,7 +386,9 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "hf": lambda: single_turn_hf(model, tokenizer, prompts, G, args.max_new_tokens),
     }
     multi: dict[str, Callable[[Sequence[int]], RunResult]] = {
-        "gyre": lambda s: multi_turn_gyre(engine, tokenizer, make_env, s, G, args.turn_tokens),
+        "gyre": lambda s: multi_turn_gyre(
+            engine, tokenizer, make_env, s, G, args.turn_tokens, perf.continuous
+        ),
         "hf": lambda s: multi_turn_hf(model, tokenizer, make_env, s, G, args.turn_tokens),
     }
     results: dict[str, dict[str, SideSummary]] = {
@@ -394,14 +419,8 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     )
     report["multi_turn"].update(tasks=args.episodes, group_size=G, max_new_tokens=args.turn_tokens)
     report.update(
-        engine_flags={
-            "prefix_sharing": engine.prefix_sharing,
-            "compaction": engine.compaction,
-            "continuous": os.environ.get("GYRE_CONTINUOUS", "1"),
-            "compile_decode": args.compile,
-            "lean_forward": engine._lean() is not None,
-            "shared_prefix_attention": os.environ.get("GYRE_SHARED_ATTN", "1"),
-        },
+        # the perf.* keys the gyre side ran with; lean_forward: whether it really ran
+        engine_flags={**perf.model_dump(), "lean_forward": engine._lean() is not None},
         load_average_1m=round(os.getloadavg()[0], 2),
         warmup_s=warmup,
         repeats=args.repeats,

@@ -8,8 +8,8 @@ threads:
   tokens; length sweep: 32, 64, 128, 256 new tokens at 64 rows. tokens/s = generated tokens/s.
 - **train**: one GRPO optimizer step (forward + backward + AdamW) on synthetic trajectories of
   lengths uniform in [T/2, T] with loss on the second half. gyre's packed + chunked scoring vs
-  the plain path (right padding, full-vocab log-softmax over every position; ``GYRE_PACK=0
-  GYRE_LOGPROB_CHUNK=0``). Batch sweep: 32, 64, 128, 256 trajectories at T=128; length sweep:
+  the plain path (right padding, full-vocab log-softmax over every position; ``perf.pack=false
+  perf.logprob_chunk=0``). Batch sweep: 32, 64, 128, 256 trajectories at T=128; length sweep:
   T = 64, 128, 256, 512 at 64 trajectories. tokens/s = real (non-pad) tokens/s.
   ``--vocab`` sets the vocabulary of the (randomly initialised, otherwise tiny default) Llama:
   the log-softmax memory that chunking saves grows with it.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -84,12 +83,11 @@ def point_rollout(side: str, rows: int, new: int, seed: int, repeats: int = 1) -
 def point_train(
     side: str, rows: int, length: int, vocab: int, seed: int, repeats: int = 1
 ) -> dict[str, Any]:
-    if side == "plain":
-        os.environ["GYRE_PACK"], os.environ["GYRE_LOGPROB_CHUNK"] = "0", "0"
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from gyre.config import ModelConfig
     from gyre.trainer.batch import collate
+    from gyre.trainer.scoring import ScoringOptions
     from gyre.trainer.sft import GRPOSettings, grpo_update
     from gyre.types import Trajectory
 
@@ -117,7 +115,9 @@ def point_train(
         trajs.append(Trajectory(ids, mask, lps, 0.0, i // 8, 0, 1, False, i))
     adv = torch.randn(rows, generator=g)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    settings = GRPOSettings(mini_batches=1, micro_batch_size=rows)
+    # plain: perf.pack=false perf.logprob_chunk=0 (right padding, full-vocab log-softmax)
+    scoring = ScoringOptions(pack=False, chunk=0) if side == "plain" else ScoringOptions()
+    settings = GRPOSettings(mini_batches=1, micro_batch_size=rows, scoring=scoring)
     batch = collate(trajs, 0, torch.device("cpu"))
     tokens = sum(len(t.token_ids) for t in trajs)
     base = _rss_mib()
@@ -135,15 +135,7 @@ def run_point(kind: str, side: str, rows: int, length: int, args: argparse.Names
         if kind == "rollout":
             out = point_rollout(side, rows, length, args.seed, args.repeats)
         else:
-            saved = {k: os.environ.get(k) for k in ("GYRE_PACK", "GYRE_LOGPROB_CHUNK")}
-            try:
-                out = point_train(side, rows, length, args.vocab, args.seed, args.repeats)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            out = point_train(side, rows, length, args.vocab, args.seed, args.repeats)
         out["peak_rss_mib"] = _peak_mib()
         return out
     cmd = [

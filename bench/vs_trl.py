@@ -37,6 +37,7 @@ Run::
     pip install -e '.[bench]'        # TRL is a benchmark-only extra
     python bench/vs_trl.py           # 1 thread, 8 x 8, 10 steps
     python bench/vs_trl.py --quick   # smoke test
+    python bench/vs_trl.py --perf share_prefix=false  # gyre without tree packing
 
 The last line of output is one JSON object with every figure and the ratio.
 """
@@ -59,12 +60,14 @@ import torch
 import transformers
 
 from gyre.algos import get_advantage_fn
-from gyre.config import ModelConfig
+from gyre.config import ModelConfig, load_config
 from gyre.engines import TorchEngine
+from gyre.engines.factory import torch_engine_options
 from gyre.envs import ArithmeticEnv
 from gyre.models.build import count_parameters, create_tiny_checkpoint, load_pretrained
 from gyre.rollout.episodes import demonstrate, run_episodes, stop_ids
 from gyre.trainer.batch import collate
+from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.sft import GRPOSettings, grpo_update, sft_step
 from gyre.types import SamplingParams
 
@@ -134,8 +137,12 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     # weight_sync "shared" (gyre's engine.weight_sync=shared, as TRL samples from its training
     # model): the engine samples from the trainer's parameters; "memory" copies them each step
     shared = args.gyre_weight_sync == "shared"
+    perf = args.perf_config  # --perf KEY=VALUE: the run config's perf.* keys (gyre side)
     engine = TorchEngine(
-        model if shared else copy.deepcopy(model), tok.pad_token_id, seed=args.seed
+        model if shared else copy.deepcopy(model),
+        tok.pad_token_id,
+        seed=args.seed,
+        **torch_engine_options(perf),
     )
     # fused: the same AdamW kernel as TRL (transformers defaults to optim="adamw_torch_fused")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -145,6 +152,7 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         micro_batch_size=args.prompts * args.group_size,
         max_grad_norm=1.0,
         loss_agg="seq-mean-token-mean",
+        scoring=ScoringOptions.from_perf(perf),
     )
     adv_fn = get_advantage_fn("grpo")
     stops = stop_ids(tok)
@@ -159,6 +167,7 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             task_seeds(args.seed, step, args.prompts),
             args.group_size,
             params,
+            continuous=perf.continuous,
         )
         r = torch.tensor([t.reward for t in trajs])
         adv = adv_fn(r, torch.tensor([t.group_id for t in trajs]), eps=1e-6)
@@ -312,8 +321,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="gyre's engine: sample from the trainer's parameters (engine.weight_sync=shared, "
         "as TRL does) or from a copy synced each step (memory)",
     )
+    p.add_argument(
+        "--perf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="gyre's training run: a perf.* config key, e.g. share_prefix=false (repeatable)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes: smoke test")
     args = p.parse_args(argv)
+    try:
+        args.perf_config = load_config(None, [f"perf.{item}" for item in args.perf]).perf
+    except ValueError as exc:
+        p.error(str(exc))
     if args.quick:
         args.prompts, args.group_size, args.steps = 2, 4, 2
         args.sft_steps, args.eval_tasks, args.max_new_tokens = 5, 8, 4
@@ -381,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "model_params": count_parameters(model),
         "sft_steps": args.sft_steps,
         "trl_gradient_checkpointing": not args.trl_no_grad_ckpt,
-        "gyre_env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith("GYRE_")},
+        "gyre_perf": args.perf_config.model_dump(),
         "gyre_weight_sync": args.gyre_weight_sync,
         "load_average_1m": round(os.getloadavg()[0], 2),
         "quick": args.quick,

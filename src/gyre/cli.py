@@ -196,11 +196,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             run_dir, device = loop.setup(cfg)
             from gyre.engines import TorchEngine
+            from gyre.engines.factory import torch_engine_options
             from gyre.models.build import load_pretrained
             from gyre.rollout import Rollout
 
             model, tok = load_pretrained(Path(cfg.model.path), device)
-            engine = TorchEngine(model, tok.pad_token_id, cfg.run.seed)
+            engine = TorchEngine(
+                model, tok.pad_token_id, cfg.run.seed, **torch_engine_options(cfg.perf)
+            )
             res = Rollout(cfg, engine, tok).evaluate()
             (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
             console.print(_table([(cfg.model.path, res)]))

@@ -86,8 +86,10 @@ class MazeConfig(_Section):
         "the open moves + goal offset; window: a local square; grid: the whole grid every turn.",
     )
     view: int = Field(
-        1, ge=1, description="View radius: compass cells within this many moves; exits looks 1 or 2"
-        " moves ahead; window half-width."
+        1,
+        ge=1,
+        description="View radius: compass cells within this many moves; exits looks 1 or 2"
+        " moves ahead; window half-width.",
     )
 
 
@@ -98,7 +100,7 @@ class ArithmeticConfig(_Section):
 
 class DatasetConfig(_Section):
     path: str = Field(
-        "", description="JSONL file, one task a line: {\"prompt\": ..., \"answer\": ..., ...}."
+        "", description='JSONL file, one task a line: {"prompt": ..., "answer": ..., ...}.'
     )
     prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
     answer_field: str = Field(
@@ -246,16 +248,6 @@ class TrainConfig(_Section):
         64, gt=0, description="Trajectories per forward/backward (gradient accumulation)."
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    lean_forward: bool = Field(
-        True,
-        description="Trainer scoring through the lean forward for Llama/Mistral/Qwen2 "
-        "(gyre.models.lean); false = the HF forward (GYRE_LEAN=0 turns it off everywhere).",
-    )
-    share_prefix: bool = Field(
-        True,
-        description="Tree-pack rows sharing a prefix (a group's prompt) so it is computed once "
-        "in forward and backward; needs lean_forward (docs/performance.md).",
-    )
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig, description="Rollout sampling parameters."
     )
@@ -298,11 +290,6 @@ class EngineConfig(_Section):
     )
     sync_every: int = Field(1, gt=0, description="Sync the engines every N policy updates.")
     sync_keep: int = Field(2, ge=1, description="Synced versions kept on disk.")
-    lean_forward: bool = Field(
-        True,
-        description="torch engine: lean forward for Llama/Mistral/Qwen2 (gyre.models.lean); "
-        "false = HF.",
-    )
     weight_sync: Literal["memory", "disk", "shared"] = Field(
         "memory",
         description="torch engine only: copy tensors in memory, go through sync_dir files, or "
@@ -323,6 +310,79 @@ class EngineConfig(_Section):
                     f"needs engine.sync_every=1 (got {self.sync_every}); use memory to lag"
                 )
         return self
+
+
+class PerfConfig(_Section):
+    """Speed switches of the trainer's scoring and the torch engine (docs/performance.md).
+
+    The defaults are the fast paths. Each switch exists to measure what it buys; results agree
+    with the plain paths to float tolerance, but float order (and so a long run's trajectory)
+    may change, which is why these keys are part of the resume config hash.
+    """
+
+    train_lean_forward: bool = Field(
+        True,
+        description="Trainer scoring through the lean forward for Llama/Mistral/Qwen2 "
+        "(gyre.models.lean); false = the HF forward.",
+    )
+    engine_lean_forward: bool = Field(
+        True,
+        description="torch engine: prefill/decode through the lean forward for Llama/Mistral/"
+        "Qwen2; false = the HF forward.",
+    )
+    pack: bool = Field(
+        True,
+        description="Trainer: pack short trajectories into shared rows (first-fit decreasing) "
+        "when that saves >10 % of positions.",
+    )
+    logprob_chunk: int = Field(
+        1024,
+        ge=0,
+        description="Trainer: positions per LM-head/log-softmax chunk (checkpointed); 0 = all "
+        "at once (with pack=false: the plain full-logits path).",
+    )
+    share_prefix: bool = Field(
+        True,
+        description="Trainer: tree-pack rows sharing a prefix (a group's prompt) so it is "
+        "computed once in forward and backward; needs train_lean_forward.",
+    )
+    score_trim: bool = Field(
+        True,
+        description="Trainer: feed only the positions a scored token needs (no row's last "
+        "token, nothing after its last action); false = whole rows.",
+    )
+    shared_prefix_attention: bool = Field(
+        True,
+        description="torch engine, lean forward: decode attends a forked group's prompt once "
+        "per group (grouped layout / cascade); false = per-row attention.",
+    )
+    prefix_sharing: bool = Field(
+        True,
+        description="torch engine: identical prompts admitted together are prefilled once and "
+        "the KV cache is forked.",
+    )
+    compaction: bool = Field(
+        True,
+        description="torch engine: finished rows leave the decode batch; false = a static "
+        "batch that decodes padding until every row is done.",
+    )
+    compact_min: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="torch engine: fraction of finished rows at which compaction gathers the "
+        "live rows (0 = at every finish).",
+    )
+    compile_decode: bool = Field(
+        False,
+        description="torch engine: run the one-token decode step through torch.compile "
+        "(minutes of compilation on a small CPU).",
+    )
+    continuous: bool = Field(
+        True,
+        description="Rollout: continuous batching (a finished turn's next request joins the "
+        "running batch); false = turns in lockstep.",
+    )
 
 
 class EvalConfig(_Section):
@@ -557,6 +617,10 @@ class Config(_Section):
     )
     faults: FaultsConfig = Field(
         default_factory=FaultsConfig, description="Fault tolerance policies."
+    )
+    perf: PerfConfig = Field(
+        default_factory=PerfConfig,
+        description="Speed switches of scoring, engine and rollout (docs/performance.md).",
     )
     runner: Literal["local", "ray"] = Field(
         "local", description="local: one process; ray: rollout and trainer actors on Ray."

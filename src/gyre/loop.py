@@ -99,9 +99,6 @@ def setup(cfg: Config, fresh_check: bool = False) -> tuple[Path, torch.device]:
         Checkpointer(cfg, run_dir).check_fresh()
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.run.threads or os.cpu_count() or 1)
-    from gyre.trainer import scoring
-
-    scoring.configure(cfg.train.lean_forward, cfg.train.share_prefix)
     seed_everything(cfg.run.seed)
     from transformers.utils import logging as hf_logging
 

@@ -14,14 +14,14 @@ from gyre.trainer.update import GRPOSettings, settings_from_config
 
 
 def test_defaults_are_the_original_grpo_update():
-    s = settings_from_config(load_config().train)
+    cfg = load_config()
+    s = settings_from_config(cfg.train, cfg.perf)
     legacy = GRPOSettings(
         clip_eps=0.2, kl_coef=0.0, mini_batches=4, micro_batch_size=64,
         loss_agg="seq-mean-token-mean", old_logprobs="auto",
     )  # fmt: skip
     assert dataclasses.asdict(s) == dataclasses.asdict(legacy)
     assert s.policy_loss == "ppo_clip" and s.clip_eps_high is None and s.dual_clip is None
-    cfg = load_config()
     assert cfg.train.algo.advantage == "grpo" and not cfg.train.dapo.dynamic_sampling
 
 
@@ -51,7 +51,7 @@ def test_overrides_reach_the_settings():
             "train.dapo.dynamic_sampling=true",
         ],
     )
-    s = settings_from_config(cfg.train)
+    s = settings_from_config(cfg.train, cfg.perf)
     assert (s.policy_loss, s.clip_eps_high, s.dual_clip, s.kl_type, s.kl_in) == (
         "gspo", 0.28, 3.0, "k2", "reward",
     )  # fmt: skip

@@ -115,9 +115,9 @@ def test_save_retention_contents_and_manifest(tmp_path, tiny, tokenizer):
     manifest = json.loads((kept[-1] / MANIFEST_FILE).read_text())
     assert manifest["step"] == 4 and manifest["gyre_version"] == gyre.__version__
     assert "config_hash" in manifest
-    on_disk = {
-        str(p.relative_to(kept[-1])) for p in kept[-1].rglob("*") if p.is_file()
-    } - {MANIFEST_FILE}
+    on_disk = {str(p.relative_to(kept[-1])) for p in kept[-1].rglob("*") if p.is_file()} - {
+        MANIFEST_FILE
+    }
     assert set(manifest["files"]) == on_disk
     assert all(len(m["sha256"]) == 64 for m in manifest["files"].values())
     assert verify_dir(kept[-1]) == []
@@ -128,7 +128,10 @@ def test_retention_keeps_last_n_plus_every_mth(tmp_path, tiny, tokenizer):
     for step in range(1, 11):
         save_checkpoint(tmp_path, step, model, tokenizer, opt, {}, keep=2, keep_every=4)
     assert [p.name for p in list_checkpoints(tmp_path)] == [
-        "step_000004", "step_000008", "step_000009", "step_000010"
+        "step_000004",
+        "step_000008",
+        "step_000009",
+        "step_000010",
     ]
 
 
@@ -190,19 +193,36 @@ def test_load_restores_optimizer_rng_scheduler_and_generators(
     np.random.seed(1)
     torch.manual_seed(1)
     path = save_checkpoint(
-        tmp_path, 7, model, tokenizer, opt, {"cursor": 3}, keep=1, scheduler=sched,
+        tmp_path,
+        7,
+        model,
+        tokenizer,
+        opt,
+        {"cursor": 3},
+        keep=1,
+        scheduler=sched,
         generators={"a": g_torch, "b": g_np},
     )
-    expected = (random.random(), float(np.random.rand()), torch.rand(2),
-                torch.rand(2, generator=g_torch), g_np.random())
+    expected = (
+        random.random(),
+        float(np.random.rand()),
+        torch.rand(2),
+        torch.rand(2, generator=g_torch),
+        g_np.random(),
+    )
     fresh_model = make_tiny_model(seed=0)
     fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
     fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda s: 1.0 / (s + 1))
     g2_torch, g2_np = torch.Generator(), np.random.default_rng(0)
     state = load_checkpoint_state(path, fresh_opt, fresh_sched, {"a": g2_torch, "b": g2_np})
     assert state == {"step": 7, "cursor": 3, "phase": "grpo"}
-    got = (random.random(), float(np.random.rand()), torch.rand(2),
-           torch.rand(2, generator=g2_torch), g2_np.random())
+    got = (
+        random.random(),
+        float(np.random.rand()),
+        torch.rand(2),
+        torch.rand(2, generator=g2_torch),
+        g2_np.random(),
+    )
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
     assert torch.equal(got[3], expected[3]) and got[4] == expected[4]
     # the scheduler resumes where it was: not re-stepped, not restarted
@@ -230,8 +250,13 @@ def test_fsspec_store_round_trip(scheme, tmp_path, tiny, tokenizer, caplog):
     store = CheckpointStore(url)
     assert store.local == (scheme == "file")
     for step in (1, 2, 3):
-        save(store, f"step_{step:06d}", model, tokenizer,
-             Snapshot(step, {"cursor": step}, opt, config={"a": 1}))
+        save(
+            store,
+            f"step_{step:06d}",
+            model,
+            tokenizer,
+            Snapshot(step, {"cursor": step}, opt, config={"a": 1}),
+        )
     store.prune("step_", keep=2)
     assert store.names() == ["step_000002", "step_000003"]
     cache = tmp_path / "cache"
@@ -255,8 +280,17 @@ def test_config_mismatch_lists_fields(tmp_path):
     saved = load_config(None, ["train.lr=0.001", "run.seed=1"]).model_dump(mode="json")
     (ckpt / "config.json").write_text(json.dumps(saved))
     # keys that do not change the trajectory may differ (a longer run, another dir, eval...)
-    ok = load_config(None, ["train.lr=0.001", "run.seed=1", "train.steps=999", "run.dir=x",
-                            "eval.episodes=3", "checkpoint.every=7"]).model_dump(mode="json")
+    ok = load_config(
+        None,
+        [
+            "train.lr=0.001",
+            "run.seed=1",
+            "train.steps=999",
+            "run.dir=x",
+            "eval.episodes=3",
+            "checkpoint.every=7",
+        ],
+    ).model_dump(mode="json")
     check_config(ckpt, ok)
     assert config_hash(ok) == config_hash(saved)
     bad = load_config(None, ["train.lr=0.002", "run.seed=1", "model.hidden_size=64"])
@@ -266,6 +300,32 @@ def test_config_mismatch_lists_fields(tmp_path):
     assert "train.lr: checkpoint=0.001, now=0.002" in msg
     assert "model.hidden_size: checkpoint=128, now=64" in msg
     assert "run.seed" not in msg and "train.steps" not in msg
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("perf.pack=false", "perf.pack: checkpoint=True, now=False"),
+        ("perf.logprob_chunk=256", "perf.logprob_chunk: checkpoint=1024, now=256"),
+        ("perf.continuous=false", "perf.continuous: checkpoint=True, now=False"),
+    ],
+)
+def test_resume_with_other_perf_values_is_refused(tmp_path, override, line):
+    """perf.* can change float order, so like any identity key it is in the config hash and a
+    resume with another value is refused, naming the key (as for train.lr above)."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    saved = load_config(None, ["run.seed=1"]).model_dump(mode="json")
+    (ckpt / "config.json").write_text(json.dumps(saved))
+    assert saved["perf"]["pack"] is True  # the section is part of the saved run config
+    now = load_config(None, ["run.seed=1", override]).model_dump(mode="json")
+    assert config_hash(now) != config_hash(saved)
+    with pytest.raises(CheckpointMismatchError) as info:
+        check_config(ckpt, now)
+    assert line in str(info.value)
+    same = load_config(None, ["run.seed=1"]).model_dump(mode="json")
+    check_config(ckpt, same)
+    assert config_hash(same) == config_hash(saved)
 
 
 def test_model_mismatch_lists_fields(tmp_path, tiny_cfg):

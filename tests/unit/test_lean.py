@@ -210,27 +210,17 @@ def test_lean_training_logprobs_equal_plain(make_tiny_model, opts):
 
 
 @pytest.mark.parametrize("name", ["lean-tree", "lean-packed"])
-def test_lean_update_gradients_equal_plain(make_tiny_model, monkeypatch, name):
+def test_lean_update_gradients_equal_plain(make_tiny_model, name):
     """One GRPO step through the lean (tree-packed) path: same loss and gradients as plain."""
     base = make_tiny_model(seed=5, sharp=True)
     opts = FAST[name]
     trajs = _group_trajs(seed=1) if opts.share_prefix else _varied_trajs(seed=1)
     adv = torch.linspace(-1.5, 1.5, len(trajs))
     results = {}
-    for label, env in (
-        ("plain", {"GYRE_PACK": "0", "GYRE_LOGPROB_CHUNK": "0", "GYRE_LEAN": "0"}),
-        (
-            "fast",
-            {
-                "GYRE_PACK": "1",
-                "GYRE_LOGPROB_CHUNK": str(opts.chunk),
-                "GYRE_LEAN": "1",
-                "GYRE_SHARE_PREFIX": "1" if opts.share_prefix else "0",
-            },
-        ),
+    for label, scoring in (
+        ("plain", PLAIN),
+        ("fast", ScoringOptions(pack=True, chunk=opts.chunk, share_prefix=opts.share_prefix)),
     ):
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         m = grpo_update(
@@ -238,7 +228,7 @@ def test_lean_update_gradients_equal_plain(make_tiny_model, monkeypatch, name):
             opt,
             collate(trajs, 0, CPU),
             adv,
-            GRPOSettings(micro_batch_size=64, max_grad_norm=1e9),
+            GRPOSettings(micro_batch_size=64, max_grad_norm=1e9, scoring=scoring),
         )
         results[label] = (m, [p.grad.detach().clone() for p in model.parameters()])
     (mp, gp), (mf, gf) = results["plain"], results["fast"]
@@ -320,7 +310,7 @@ def test_unsupported_models_fall_back_and_say_why(caplog):
 
 def test_shared_prefix_decode_attention_equals_per_row(tokenizer, make_tiny_model, monkeypatch):
     """Forked group prompts are attended once per group in decode; tokens and log-probs are
-    those of per-row attention (GYRE_SHARED_ATTN=0) and of the HF forward, with rows of a
+    those of per-row attention (shared_prefix_attention=False) and of the HF forward, with rows of a
     group finishing at different steps (compaction re-indexes the groups)."""
     import gyre.models.lean as lean_mod
 
@@ -349,11 +339,18 @@ def test_shared_prefix_decode_attention_equals_per_row(tokenizer, make_tiny_mode
 
     monkeypatch.setattr(lean_mod._Group, "attend", spy_attend)
     outs = {}
-    for name, env, lean in (("shared", "1", True), ("per_row", "0", True), ("hf", "1", False)):
-        monkeypatch.setenv("GYRE_SHARED_ATTN", env)
+    for name, shared, lean in (
+        ("shared", True, True),
+        ("per_row", False, True),
+        ("hf", True, False),
+    ):
         n = len(calls)
         engine = TorchEngine(
-            copy.deepcopy(model), tokenizer.pad_token_id, lean_forward=lean, compact_min=0.0
+            copy.deepcopy(model),
+            tokenizer.pad_token_id,
+            lean_forward=lean,
+            compact_min=0.0,
+            shared_prefix_attention=shared,
         )
         outs[name] = engine.generate(reqs, params)
         assert (len(calls) > n) == (name == "shared")
@@ -465,8 +462,9 @@ def test_grouped_decode_switches_to_rows_after_max_steps(tokenizer, make_tiny_mo
     monkeypatch.setattr(lean_mod._Group, "attend", attend)
     grouped = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id).generate(reqs, params)
     assert steps and max(steps) == 2  # steps 0, 1, 2 grouped, then per-row
-    monkeypatch.setenv("GYRE_SHARED_ATTN", "0")
-    rows = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id).generate(reqs, params)
+    rows = TorchEngine(
+        copy.deepcopy(model), tokenizer.pad_token_id, shared_prefix_attention=False
+    ).generate(reqs, params)
     for a, b in zip(grouped, rows, strict=True):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 10
         torch.testing.assert_close(

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from gyre.trainer.batch import TokenBatch, collate, token_logprobs
+from gyre.trainer.batch import collate, token_logprobs
 from gyre.trainer.scoring import PACK_MIN_SAVING, ScoringOptions, pack_rows
 from gyre.trainer.sft import GRPOSettings, grpo_update
 from gyre.types import Trajectory
@@ -62,15 +62,13 @@ def test_fast_logprobs_equal_full(make_tiny_model, opts, temperature, top_p):
 
 
 @pytest.mark.parametrize("micro", [64, 3])
-def test_packed_chunked_update_equals_plain(make_tiny_model, monkeypatch, micro):
+def test_packed_chunked_update_equals_plain(make_tiny_model, micro):
     """One GRPO step: same loss and same gradients (fp32 tolerance) packed+chunked vs plain."""
     base = make_tiny_model(seed=5, sharp=True)
     trajs = _trajs(8, seed=1)
     adv = torch.linspace(-1.5, 1.5, 8)
     results = {}
-    for name, env in (("plain", ("0", "0")), ("fast", ("1", "4"))):
-        monkeypatch.setenv("GYRE_PACK", env[0])
-        monkeypatch.setenv("GYRE_LOGPROB_CHUNK", env[1])
+    for name, scoring in (("plain", PLAIN), ("fast", ScoringOptions(pack=True, chunk=4))):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         m = grpo_update(
@@ -78,7 +76,7 @@ def test_packed_chunked_update_equals_plain(make_tiny_model, monkeypatch, micro)
             opt,
             collate(trajs, 0, CPU),
             adv,
-            GRPOSettings(micro_batch_size=micro, max_grad_norm=1e9),
+            GRPOSettings(micro_batch_size=micro, max_grad_norm=1e9, scoring=scoring),
         )
         grads = [p.grad.detach().clone() for p in model.parameters()]
         results[name] = (m, grads)
@@ -116,34 +114,93 @@ def test_prefix_groups_respect_the_width_cap(monkeypatch):
         assert p + sum(len(rows[i]) - p for i in members) <= 20
 
 
-def test_config_keys_switch_trainer_scoring_paths(monkeypatch, make_tiny_model):
-    """train.lean_forward / train.share_prefix reach the trainer's scoring (scoring.configure,
-    called by the loop and the Ray actors); GYRE_LEAN=0 still wins over the config."""
-    import gyre.models.lean as lean_mod
-    import gyre.trainer.scoring as sc
-    from gyre.config import Config
+def test_perf_defaults_are_the_previous_scoring_defaults():
+    """The ``perf:`` defaults are the paths the trainer took before the section existed (packing,
+    1024-position chunks, lean forward, tree packing, trimming), also via the update settings."""
+    from gyre.config import load_config
+    from gyre.trainer.update import settings_from_config
 
-    monkeypatch.setattr(sc, "_CONFIGURED", {})
-    cfg = Config.model_validate({"train": {"lean_forward": False, "share_prefix": False}})
-    sc.configure(cfg.train.lean_forward, cfg.train.share_prefix)
-    opts = ScoringOptions.from_env()
-    assert not opts.lean and not opts.share_prefix
-    model = make_tiny_model(seed=3)
-    batch_ids = torch.randint(3, model.config.vocab_size, (4, 9))
-    calls = []
-    real = lean_mod.LeanForward.hidden
+    cfg = load_config()
+    old = ScoringOptions(pack=True, chunk=1024, lean=True, share_prefix=True, trim=True)
+    assert ScoringOptions.from_perf(cfg.perf) == old == ScoringOptions()
+    assert settings_from_config(cfg.train, cfg.perf).scoring == old
+    assert GRPOSettings().scoring == old
+
+
+def _update_with(cfg_overrides: list[str], model: torch.nn.Module, trajs: list[Trajectory]):
+    """One GRPO update with the settings the loop builds from a config with ``cfg_overrides``."""
+    from gyre.config import load_config
+    from gyre.trainer.update import policy_update, settings_from_config
+
+    cfg = load_config(None, ["train.mini_batches=1", *cfg_overrides])
+    settings = settings_from_config(cfg.train, cfg.perf)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    adv = torch.linspace(-1.0, 1.0, len(trajs))
+    return settings, policy_update(model, opt, collate(trajs, 0, CPU), adv, settings)
+
+
+def test_perf_keys_reach_the_trainer_scoring(monkeypatch, make_tiny_model):
+    """perf.pack / perf.logprob_chunk / perf.train_lean_forward of the run config decide which
+    path the update's scoring takes (spied on); no process-wide state is involved."""
+    import gyre.models.lean as lean_mod
+    import gyre.trainer.batch as batch_mod
+    import gyre.trainer.scoring as sc
+
+    calls: dict[str, int] = {"pack": 0, "fast": 0, "lean": 0}
+
+    def spy(name, real):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(sc, "pack_rows", spy("pack", sc.pack_rows))
     monkeypatch.setattr(
-        lean_mod.LeanForward, "hidden", lambda *a, **k: calls.append(1) or real(*a, **k)
+        batch_mod, "chunked_token_logprobs", spy("fast", batch_mod.chunked_token_logprobs)
     )
-    attn = torch.ones_like(batch_ids)
-    tb = TokenBatch(batch_ids, attn, attn.float(), torch.zeros(4, 9))
-    token_logprobs(model, tb)
-    assert not calls  # the HF forward scored the batch
-    sc.configure(True, True)
-    token_logprobs(model, tb)
-    assert calls
-    monkeypatch.setenv("GYRE_LEAN", "0")
-    assert not ScoringOptions.from_env().lean
+    monkeypatch.setattr(lean_mod.LeanForward, "hidden", spy("lean", lean_mod.LeanForward.hidden))
+    model = make_tiny_model(seed=3)
+    trajs = _trajs(8, seed=1)  # packable: packing saves more than 10 % of the positions
+    runs = {
+        "default": [],
+        "no_pack": ["perf.pack=false"],
+        "plain": ["perf.pack=false", "perf.logprob_chunk=0"],
+        "hf": ["perf.train_lean_forward=false"],
+    }
+    seen = {}
+    for name, overrides in runs.items():
+        calls.update(pack=0, fast=0, lean=0)
+        settings, _ = _update_with(overrides, copy.deepcopy(model), trajs)
+        seen[name] = dict(calls)
+    assert seen["default"]["pack"] > 0 and seen["default"]["lean"] > 0
+    assert seen["no_pack"]["pack"] == 0 and seen["no_pack"]["fast"] > 0  # padded + chunked
+    assert seen["plain"] == {"pack": 0, "fast": 0, "lean": 0}  # the plain full-logits path
+    assert seen["hf"]["lean"] == 0 and seen["hf"]["pack"] > 0  # packed through the HF decoder
+    assert settings.scoring.lean is False
+
+
+def test_perf_share_prefix_reaches_the_trainer_scoring(monkeypatch, make_tiny_model):
+    """perf.share_prefix=false: a batch of groups sharing a prompt is not tree-packed."""
+    import gyre.trainer.scoring as sc
+
+    trees = []
+    real = sc.tree_pack
+    monkeypatch.setattr(sc, "tree_pack", lambda *a, **k: trees.append(1) or real(*a, **k))
+    prompt = [1, 5, 6, 7, 8, 9, 10, 11]
+    g = torch.Generator().manual_seed(4)
+    trajs = []
+    for i in range(8):
+        answer = torch.randint(20, 60, (3,), generator=g).tolist()
+        mask = [0] * 8 + [1] * 3
+        lps = [-1.0 * m for m in mask]
+        trajs.append(Trajectory(prompt + answer, mask, lps, 0.0, i // 4, 0, 1, False, i // 4))
+    model = make_tiny_model(seed=3)
+    _update_with([], copy.deepcopy(model), trajs)
+    assert trees, "the default must tree-pack this batch, else the switch is not tested"
+    trees.clear()
+    _update_with(["perf.share_prefix=false"], copy.deepcopy(model), trajs)
+    assert not trees
 
 
 def _fed_positions(monkeypatch) -> list[int]:
@@ -243,16 +300,19 @@ def test_nothing_to_score_still_backpropagates(make_tiny_model):
 
 
 def test_trim_switch_feeds_whole_rows(make_tiny_model, monkeypatch):
-    """GYRE_SCORE_TRIM=0 (for measuring) feeds every real token of every row, and the scored
+    """perf.score_trim=false (for measuring) feeds every real token of every row, and the scored
     log-probs do not change."""
+    from gyre.config import load_config
+
     model = make_tiny_model(seed=2)
     batch = collate(_trajs(5, seed=7), 0, CPU)
     out = {}
     for trim in ("1", "0"):
-        monkeypatch.setenv("GYRE_SCORE_TRIM", trim)
+        opts = ScoringOptions.from_perf(load_config(None, [f"perf.score_trim={trim}"]).perf)
+        assert opts.trim == (trim == "1")
         fed = _fed_positions(monkeypatch)
         with torch.no_grad():
-            lp, _ = token_logprobs(model, batch, options=ScoringOptions.from_env())
+            lp, _ = token_logprobs(model, batch, options=opts)
         out[trim] = (lp, list(fed))
     n_real = int(batch.attention_mask.sum())
     lengths = batch.attention_mask.sum(1)

@@ -8,9 +8,22 @@ from typing import Any
 
 import torch
 
-from gyre.config import Config
+from gyre.config import Config, PerfConfig
 from gyre.engines.sync import WeightSync
 from gyre.engines.torch_engine import TorchEngine
+
+
+def torch_engine_options(perf: PerfConfig) -> dict[str, Any]:
+    """:class:`TorchEngine` keyword arguments of a run's ``perf:`` section (every in-process
+    engine of a run is built with them: the loop's, the Ray rollout workers', ``gyre eval``)."""
+    return {
+        "prefix_sharing": perf.prefix_sharing,
+        "compaction": perf.compaction,
+        "compact_min": perf.compact_min,
+        "compile_decode": perf.compile_decode,
+        "lean_forward": perf.engine_lean_forward,
+        "shared_prefix_attention": perf.shared_prefix_attention,
+    }
 
 
 def build_engine(
@@ -28,7 +41,7 @@ def build_engine(
             model if e.weight_sync == "shared" else copy.deepcopy(model),
             tokenizer.pad_token_id,
             seed=cfg.run.seed,
-            lean_forward=e.lean_forward,
+            **torch_engine_options(cfg.perf),
         )
     else:
         from gyre.engines.http_engine import HttpEngine

@@ -27,7 +27,10 @@ What is saved, each measurable on its own (``bench/rollout.py --engine-flags``):
 - **Lean forward** (``lean_forward``, :mod:`gyre.models.lean`): Llama-family models run a
   forward with
   fewer ops over the same parameters, appending keys/values in place into a preallocated
-  buffer; other models (or ``lean_forward=False`` / ``GYRE_LEAN=0``) use the HF forward.
+  buffer; other models (or ``lean_forward=False``) use the HF forward.
+
+Every switch is a constructor argument; a run sets them from its ``perf:`` config section
+(:func:`gyre.engines.factory.torch_engine_options`).
 
 Sampling is counter-based (:func:`gyre.models.sampling.sample_tokens_keyed`): token k of a
 request is
@@ -37,7 +40,6 @@ batch it shares, on the order of requests, or on any of the optimisations above 
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -57,13 +59,6 @@ from gyre.types import Completion, GenerationRequest, SamplingParams
 OnComplete = Callable[[int, Completion], GenerationRequest | None]
 """Callback of :meth:`TorchEngine.generate_continuous`: (request index, completion) -> an
 optional follow-up request (admitted at once) or None."""
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    return raw.strip().lower() not in ("0", "false", "no", "off")
 
 
 def _new_cache(model: torch.nn.Module) -> DynamicCache:
@@ -147,11 +142,12 @@ class _Batch:
     def _layers(self) -> list[DynamicLayer]:
         return self.cache.layers
 
-    def select(self, keep: list[int]) -> None:
+    def select(self, keep: list[int], group: bool = True) -> None:
+        """Keep rows ``keep`` (repeats fork them); ``group``: see :func:`select_kv_rows`."""
         idx = torch.tensor(keep, device=self.colmask.device)
         for layer in self._layers():
             if layer.is_initialized:
-                select_kv_rows(layer, idx)
+                select_kv_rows(layer, idx, group=group)
         self.colmask = self.colmask.index_select(0, idx)
         self.logits = self.logits.index_select(0, idx)
         self.rows = [self.rows[i] for i in keep]
@@ -214,16 +210,16 @@ class _Batch:
 class TorchEngine:
     """Engine over a local ``transformers`` causal LM (any architecture with a DynamicCache).
 
-    ``max_batch_size`` (0 = unbounded) caps the rows decoded together; ``prefix_sharing`` and
-    ``compaction`` can be switched off (also by the env vars ``GYRE_PREFIX_SHARING=0`` and
-    ``GYRE_COMPACTION=0``) to measure what each buys. Results never depend on any of them.
-    ``compile_decode`` (or ``GYRE_COMPILE_DECODE=1``) runs the decode step through
+    ``max_batch_size`` (0 = unbounded) caps the rows decoded together; ``prefix_sharing``,
+    ``compaction`` and ``shared_prefix_attention`` (decode attends a forked group's prompt
+    once per group, lean forward only) can be switched off to measure what each buys. Results
+    never depend on any of them. ``compile_decode`` runs the decode step through
     ``torch.compile``; ``admit_ratio`` sets how many requests must wait (relative to running
     rows) before a mid-decode admission prefill is worth its forward call; ``compact_min`` is
     the fraction of finished rows at which compaction gathers the live rows (0: every step a
     row finishes; default half: on a small model a decode step costs about the same for 17
     rows as for 64, while the gather out of the grouped layout costs ~1 ms). ``lean_forward``
-    (default on; ``GYRE_LEAN=0`` turns it off) runs Llama-family models through
+    (default on) runs Llama-family models through
     :class:`gyre.models.lean.LeanForward`, falling back to the HF forward for anything else.
     """
 
@@ -233,12 +229,13 @@ class TorchEngine:
         pad_token_id: int,
         seed: int = 0,
         max_batch_size: int = 0,
-        prefix_sharing: bool | None = None,
-        compaction: bool | None = None,
+        prefix_sharing: bool = True,
+        compaction: bool = True,
         admit_ratio: float = 0.5,
-        compile_decode: bool | None = None,
+        compile_decode: bool = False,
         lean_forward: bool = True,
         compact_min: float = 0.5,
+        shared_prefix_attention: bool = True,
     ) -> None:
         if max_batch_size < 0:
             raise ValueError(f"max_batch_size must be >= 0 (0 = unbounded), got {max_batch_size}")
@@ -250,13 +247,10 @@ class TorchEngine:
         self.pad_token_id = pad_token_id
         self.version = 0
         self.max_batch_size = max_batch_size
-        self.prefix_sharing = (
-            _env_flag("GYRE_PREFIX_SHARING", True) if prefix_sharing is None else prefix_sharing
-        )
-        self.compaction = _env_flag("GYRE_COMPACTION", True) if compaction is None else compaction
+        self.prefix_sharing = prefix_sharing
+        self.compaction = compaction
+        self.shared_prefix_attention = shared_prefix_attention
         self.admit_ratio = admit_ratio
-        if compile_decode is None:
-            compile_decode = _env_flag("GYRE_COMPILE_DECODE", False)
         # torch.compile of the one-token decode step only (prefill stays eager). Off by default:
         # it pays per step but costs minutes of compilation on a small CPU (docs/performance.md).
         self._compiled = compile_decode
@@ -466,7 +460,7 @@ class TorchEngine:
                     done >= self.compact_min * len(batch.rows)
                     or (waiting and len(batch.rows) >= limit)
                 ):
-                    batch.select(keep)
+                    batch.select(keep, self.shared_prefix_attention)
             elif all(row.done for row in batch.rows):
                 batch = None
                 continue
@@ -534,7 +528,8 @@ class TorchEngine:
         chunk = [prompt[len(proto[j].fed) :] for j, (_, prompt) in enumerate(sources)]
         pre.logits = self._feed(pre, chunk)
         if len(sources) != len(items) or row_of != list(range(len(items))):
-            pre.select(row_of)  # fork shared prefills G ways (a row gather of the cache)
+            # fork shared prefills G ways (a row gather of the cache)
+            pre.select(row_of, self.shared_prefix_attention)
         pre.rows = [
             _Row(index, req.session, seed, list(req.prompt_ids)) for index, req, seed in items
         ]
@@ -645,7 +640,8 @@ class TorchEngine:
         lean = self._lean() if not (C == 1 and self._compiled) else None
         if lean is not None:
             dtype = lean.inner.embed_tokens.weight.dtype
-            hidden = lean.hidden(ids, pos, lean.cached_mask(batch.colmask, C, dtype), batch.cache)
+            attn = lean.cached_mask(batch.colmask, C, dtype)
+            hidden = lean.hidden(ids, pos, attn, batch.cache, self.shared_prefix_attention)
             last = hidden[:, 0] if C == 1 else hidden[keep.to(self.device)]
             logits = lean.logits(last)
         else:

@@ -22,10 +22,12 @@ logged once per model class and reason, and the caller uses the Hugging Face for
 Implemented: ``llama``, ``mistral`` (no sliding window) and ``qwen2`` (no sliding window)
 model types; SiLU MLP without bias; attention with or without Q/K/V bias (``attention_bias``,
 Qwen2's biases); grouped-query attention; RoPE types ``default``, ``linear``, ``llama3``,
-``yarn``; tied or untied LM head; no attention dropout; no LoRA/peft wrapper. Switches:
-``GYRE_LEAN=0`` (everywhere), ``engine.lean_forward`` / ``TorchEngine(lean_forward=False)``,
-``ScoringOptions(lean=False)``; ``GYRE_SHARED_ATTN=0`` turns off only the per-group prefix
-attention.
+``yarn``; tied or untied LM head; no attention dropout; no LoRA/peft wrapper. Switches (the
+run config's ``perf:`` section): ``perf.engine_lean_forward`` / ``TorchEngine(lean_forward=
+False)``, ``perf.train_lean_forward`` / ``ScoringOptions(lean=False)``;
+``perf.shared_prefix_attention`` / ``TorchEngine(shared_prefix_attention=False)`` (here:
+``hidden(shared_attn=False)``, ``select_kv_rows(group=False)``) turns off only the per-group
+prefix attention.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +47,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 SHARED_PREFIX_MIN = 8
-"""Forked prefixes at least this long are attended once per group in decode (GYRE_SHARED_ATTN=0
-turns this off)."""
+"""Forked prefixes at least this long are attended once per group in decode (unless the engine's
+``shared_prefix_attention`` is off)."""
 GROUP_MAX_STEPS = 128
 """The grouped decode layout (:class:`_Group`) attends every row's query to all G rows' own
 columns of its group; past this many decode steps the per-row layout costs less (measured:
@@ -55,16 +56,6 @@ at 64 rows x 256 new tokens, about 10 % faster when switching at 16-128 steps; a
 new tokens, staying grouped is faster)."""
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _WARNED: set[tuple[str, str]] = set()
-
-
-def _flag(name: str) -> bool:
-    """An on-by-default env switch: 0/false/no/off turns it off."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def lean_env_enabled() -> bool:
-    """``GYRE_LEAN`` (default on): 0/false/no/off turns the lean forward off everywhere."""
-    return _flag("GYRE_LEAN")
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -147,7 +138,7 @@ def _plain_linears(inner: torch.nn.Module) -> bool:
 
 def lean_for(model: torch.nn.Module, enabled: bool = True) -> LeanForward | None:
     """The model's :class:`LeanForward` (cached on the model), or None (reason logged once)."""
-    if not enabled or not lean_env_enabled():
+    if not enabled:
         return None
     cached = model.__dict__.get("_gyre_lean")
     if cached is not None and _plain_linears(cached.inner) and not _sharded(model):
@@ -339,12 +330,15 @@ class LeanForward:
         position_ids: torch.Tensor,
         mask: torch.Tensor,
         cache: Any = None,
+        shared_attn: bool = True,
     ) -> torch.Tensor:
         """Final-norm hidden states (B, C, H) of ``input_ids`` (B, C).
 
         ``mask`` is an additive float mask (B, 1, C, K) over the K keys (cached ones first);
         ``cache`` is a transformers DynamicCache whose layers get the new keys/values appended
-        (None: no cache, K = C).
+        (None: no cache, K = C). ``shared_attn`` (the engine's ``shared_prefix_attention``):
+        one-token decode steps attend a forked group's prefix once per group (the grouped
+        layout or :func:`_shared_prefix_attention`); off, every row attends its own copy.
         """
         inner = self.inner
         B, C = input_ids.shape
@@ -359,7 +353,6 @@ class LeanForward:
         # Fused Q/K/V and gate/up weights pay without autograd (cached); under autograd the
         # cat and its backward (a zero-filled slice per weight) cost more than they save.
         fuse = not (torch.is_grad_enabled() and inner.embed_tokens.weight.requires_grad)
-        shared_attn = _flag("GYRE_SHARED_ATTN")
         if cache is not None and not (step and shared_attn):
             ungroup_cache(cache)  # the grouped layout serves one-token decode steps only
         elif cache is not None:
@@ -483,13 +476,17 @@ def _select_src(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return new
 
 
-def select_kv_rows(layer: Any, idx: torch.Tensor, fork_min: int = SHARED_PREFIX_MIN) -> None:
+def select_kv_rows(
+    layer: Any, idx: torch.Tensor, fork_min: int = SHARED_PREFIX_MIN, group: bool = True
+) -> None:
     """Keep rows ``idx`` of a DynamicLayer; a lean-owned buffer is gathered whole, so the
     layer keeps its spare capacity (no reallocation at the next append).
 
     A fork (``idx`` repeating rows, as the engine's prefix sharing does) of at least
     ``fork_min`` columns records the pre-fork rows as a shared prefix (:class:`_Prefix`), which
-    decode attention then reads once per group instead of once per row.
+    decode attention then reads once per group instead of once per row. ``group`` (the
+    engine's ``shared_prefix_attention``) lets a fork of whole groups take the grouped layout
+    (:class:`_Group`); off, forked rows are gathered per row.
     """
     if getattr(layer, "_gyre_group", None) is not None and not _repeats(idx):
         ungroup(layer, idx)  # the kept rows, written once in the per-row layout
@@ -501,7 +498,7 @@ def select_kv_rows(layer: Any, idx: torch.Tensor, fork_min: int = SHARED_PREFIX_
     if own and keys.stride() == buf[0].stride():
         L = keys.shape[2]
         pre = getattr(layer, "_gyre_prefix", None)
-        G = _fork_groups(idx) if pre is None and _flag("GYRE_SHARED_ATTN") else 0
+        G = _fork_groups(idx) if pre is None and group else 0
         if G:
             heads = idx[::G]  # the source row of each group of G forked rows
             layer._gyre_group = _Group.fork(

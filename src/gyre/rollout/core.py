@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gyre.config import Config
-from gyre.engines.factory import build_engine, initial_sync
+from gyre.engines.factory import build_engine, initial_sync, torch_engine_options
 from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
@@ -101,7 +101,7 @@ class Rollout:
 
             engine: Any = TorchEngine(
                 model, tokenizer.pad_token_id, seed=cfg.run.seed,
-                lean_forward=cfg.engine.lean_forward,
+                **torch_engine_options(cfg.perf),
             )  # fmt: skip
             syncer = None
         else:
@@ -127,7 +127,10 @@ class Rollout:
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         stats = RolloutStats()
         params = sampling_params(cfg, self.tokenizer, seed)
-        trajs = run_episodes(self.make_env, self.engine, self.tokenizer, seeds, G, params, stats)
+        trajs = run_episodes(
+            self.make_env, self.engine, self.tokenizer, seeds, G, params, stats,
+            continuous=cfg.perf.continuous,
+        )  # fmt: skip
         for i, t in enumerate(trajs):
             t.group_id = first_task + i // G
             t.traj_id = f"{t.group_id}:{i % G}"
@@ -170,6 +173,7 @@ class Rollout:
         return evaluate(
             self.engine, self.make_env, self.tokenizer, cfg.eval.episodes, s.temperature,
             s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed, top_p=s.top_p,
+            continuous=cfg.perf.continuous,
         )  # fmt: skip
 
     # -- weights ------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import struct
 import time
 import traceback
@@ -90,23 +89,16 @@ def run_episodes(
     group_size: int,
     params: SamplingParams,
     stats: RolloutStats | None = None,
-    continuous: bool | None = None,
+    continuous: bool = True,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of every task seed, all turns batched through ``engine``.
 
     Trajectory ``k * group_size + j`` is sample j of task k and has ``group_id == k``.
     With ``params.seed`` set, every turn of every episode gets its own request seed
     (:func:`turn_seed`), so the sampled tokens do not depend on how turns are batched.
-    ``continuous`` (default: on unless ``GYRE_CONTINUOUS=0``) uses the engine's
-    ``generate_continuous`` where it has one; otherwise turns are batched in lockstep.
+    ``continuous`` (``perf.continuous``) uses the engine's ``generate_continuous`` where it
+    has one; otherwise (or off) turns are batched in lockstep.
     """
-    if continuous is None:
-        continuous = os.environ.get("GYRE_CONTINUOUS", "1").strip().lower() not in (
-            "0",
-            "false",
-            "no",
-            "off",
-        )
     t0 = time.perf_counter()
     n = len(task_seeds) * group_size
     envs = [make_env() for _ in range(n)]
@@ -235,8 +227,13 @@ def _env_failure(episode: int, seed: int, where: str) -> dict:
     ``faults.max_failed_fraction``.
     """
     tb = traceback.format_exc()
-    _log.warning("env %s raised in episode %d (task seed %d); episode marked failed:\n%s",
-                 where, episode, seed, tb)
+    _log.warning(
+        "env %s raised in episode %d (task seed %d); episode marked failed:\n%s",
+        where,
+        episode,
+        seed,
+        tb,
+    )
     return {"success": False, "failed": True, "error": tb.strip().splitlines()[-1]}
 
 

@@ -39,7 +39,10 @@ def evaluate(
     sampled: bool = True,
     seed: int = 0,
     top_p: float = 1.0,
+    continuous: bool = True,
 ) -> dict[str, float]:
+    """Greedy (and sampled) success and mean moves on the held-out seeds; ``continuous`` is
+    ``perf.continuous`` (see :func:`gyre.rollout.episodes.run_episodes`)."""
     seeds = eval_seeds(episodes)
     out: dict[str, float] = {}
     modes = [("greedy", 0.0, 1.0)] + ([("sampled", temperature, top_p)] if sampled else [])
@@ -51,7 +54,7 @@ def evaluate(
             stop_token_ids=stop_ids(tokenizer),
             seed=seed,
         )
-        trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params)
+        trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params, continuous=continuous)
         out[f"eval/success_{name}"] = float(np.mean([t.success for t in trajs]))
         out[f"eval/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
     return out

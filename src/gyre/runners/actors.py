@@ -39,9 +39,6 @@ def _role_device(cfg: Config, num_gpus: float) -> torch.device:
 
 def _quiet_threads(cfg: Config, num_cpus: float) -> None:
     torch.set_num_threads(cfg.run.threads or max(1, int(num_cpus)))
-    from gyre.trainer import scoring
-
-    scoring.configure(cfg.train.lean_forward, cfg.train.share_prefix)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -97,14 +97,15 @@ def token_logprobs(
     By default the batch is packed and scored in chunks (:mod:`gyre.trainer.scoring`): padding is
     not
     computed and the full-vocab log-softmax is never materialised for all positions at once;
-    the values are those of the plain path (padding positions read 0). ``options`` overrides
-    the defaults (``GYRE_PACK`` / ``GYRE_LOGPROB_CHUNK``); with both off this is the plain path.
+    the values are those of the plain path (padding positions read 0). ``options`` (default:
+    :class:`ScoringOptions`, the ``perf:`` defaults) picks the paths; with ``pack=False`` and
+    ``chunk=0`` this is the plain path.
     ``entropy_grad`` (an entropy bonus in the loss) takes the plain path: the fast path's
     entropy is a detached metric. ``score_mask`` (B, T), e.g. the loss mask: only those
     tokens' log-probs (and entropies) are wanted, the others read 0; the fast path then
     computes only the positions they need (see :func:`gyre.trainer.scoring.chunked_token_logprobs`).
     """
-    opts = options or ScoringOptions.from_env()
+    opts = options if options is not None else ScoringOptions()
     if (opts.pack or opts.chunk > 0) and not (with_entropy and entropy_grad):
         fast = chunked_token_logprobs(
             model, batch.input_ids, batch.attention_mask, 0, temperature, top_p, opts, score_mask

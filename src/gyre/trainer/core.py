@@ -116,7 +116,7 @@ class Trainer:
         cfg = self.cfg
         m = {} if metrics is None else metrics
         device = next(self.model.parameters()).device
-        algo, settings = cfg.train.algo, settings_from_config(cfg.train)
+        algo, settings = cfg.train.algo, settings_from_config(cfg.train, cfg.perf)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
         batch = collate(trajs, self.tokenizer.pad_token_id, device)

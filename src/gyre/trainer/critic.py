@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from gyre.trainer.batch import TokenBatch, logits_to_token_logprobs, token_logprobs
+from gyre.trainer.scoring import ScoringOptions
 
 VALUE_MODES = ("critic", "head")
 
@@ -114,8 +115,12 @@ def policy_forward(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     value_model: ValueModel | None = None,
+    options: ScoringOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One forward of the policy: (logprobs (B, T), entropy or None, values (B, T) or None).
+
+    ``options``: the scoring paths (:class:`gyre.trainer.scoring.ScoringOptions`, the run's
+    ``perf.*``; default: the ``perf:`` defaults).
 
     Values come from the same forward when the value head sits on the policy, else from the
     critic's own forward.
@@ -132,6 +137,7 @@ def policy_forward(
             top_p,
             with_entropy,
             entropy_grad=entropy_grad,
+            options=options,
             score_mask=batch.loss_mask,
         )
         return logp, ent, value_model(batch) if value_model is not None else None

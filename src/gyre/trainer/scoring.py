@@ -27,18 +27,19 @@ Two things waste most of a training forward on RL batches:
   64 answers of 2-3 tokens after 8 shared prompts, one position in three.
 
 All give the same log-probs, entropies and gradients as the plain path (tested, fp32
-tolerance). Switches (for measuring, see docs/performance.md): ``GYRE_PACK=0``,
-``GYRE_LOGPROB_CHUNK=0`` (0 = no chunking: one full-vocab pass, as before), ``GYRE_LEAN=0``
-(Hugging Face forward), ``GYRE_SHARE_PREFIX=0`` (no tree packing) and ``GYRE_SCORE_TRIM=0``
-(feed whole rows, each row's last token included).
+tolerance). Each is a :class:`ScoringOptions` field, set from the run config's ``perf:``
+section (:meth:`ScoringOptions.from_perf`; docs/performance.md): ``perf.pack``,
+``perf.logprob_chunk`` (0 = no chunking: one full-vocab pass), ``perf.train_lean_forward``
+(Hugging Face forward when off), ``perf.share_prefix`` (tree packing) and ``perf.score_trim``
+(off: feed whole rows, each row's last token included).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -46,31 +47,14 @@ from torch.utils.checkpoint import checkpoint
 from gyre.models.lean import LeanForward, lean_for
 from gyre.models.sampling import sampling_logprobs
 
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from e
+if TYPE_CHECKING:
+    from gyre.config import PerfConfig
 
 
-_CONFIGURED: dict[str, bool] = {}
-
-
-def configure(lean: bool = True, share_prefix: bool = True) -> None:
-    """Process-wide scoring defaults from the run config (``train.lean_forward``,
-    ``train.share_prefix``); the env vars (``GYRE_LEAN=0``, ``GYRE_SHARE_PREFIX=0``) still
-    turn a path off."""
-    _CONFIGURED.update(lean=lean, share_prefix=share_prefix)
-
-
-@dataclass
+@dataclass(frozen=True)
 class ScoringOptions:
-    """How :func:`gyre.trainer.batch.token_logprobs` scores a batch (defaults: the run config via
-    :func:`configure`, then the env)."""
+    """How :func:`gyre.trainer.batch.token_logprobs` scores a batch. The defaults are those of
+    the ``perf:`` config section; a run builds its options with :meth:`from_perf`."""
 
     pack: bool = True
     chunk: int = 1024  # positions per LM-head / log-softmax chunk; 0 = all at once
@@ -79,14 +63,14 @@ class ScoringOptions:
     trim: bool = True  # feed only the positions a scored token needs (off: whole rows)
 
     @classmethod
-    def from_env(cls) -> ScoringOptions:
+    def from_perf(cls, perf: PerfConfig) -> ScoringOptions:
+        """The trainer's options of a run's ``perf:`` section."""
         return cls(
-            pack=_env_int("GYRE_PACK", 1) != 0,
-            chunk=max(0, _env_int("GYRE_LOGPROB_CHUNK", 1024)),
-            lean=_env_int("GYRE_LEAN", 1) != 0 and _CONFIGURED.get("lean", True),
-            share_prefix=_env_int("GYRE_SHARE_PREFIX", 1) != 0
-            and _CONFIGURED.get("share_prefix", True),
-            trim=_env_int("GYRE_SCORE_TRIM", 1) != 0,
+            pack=perf.pack,
+            chunk=perf.logprob_chunk,
+            lean=perf.train_lean_forward,
+            share_prefix=perf.share_prefix,
+            trim=perf.score_trim,
         )
 
 
@@ -463,7 +447,7 @@ def chunked_token_logprobs(
     input (nothing predicts from it and, attention being causal, nothing attends to it), nor
     is anything after the last scored token; rows with nothing to score are left out.
     """
-    opts = options or ScoringOptions.from_env()
+    opts = options if options is not None else ScoringOptions()
     parts = _head_and_body(model)
     if parts is None:
         return None
@@ -477,9 +461,7 @@ def chunked_token_logprobs(
     need[:, 0] = False
     if score_mask is not None:
         if score_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"score_mask has shape {tuple(score_mask.shape)}, input_ids {(B, T)}"
-            )
+            raise ValueError(f"score_mask has shape {tuple(score_mask.shape)}, input_ids {(B, T)}")
         need &= score_mask.bool()
     b_idx, t_idx = need.nonzero(as_tuple=True)
     # Inputs row b needs: positions 0 .. (last scored t) - 1

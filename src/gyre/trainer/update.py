@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,9 +48,10 @@ from gyre.algos import (
     rollout_is_weights,
 )
 from gyre.algos.aggregate import check_mode
-from gyre.config import TrainConfig
+from gyre.config import PerfConfig, TrainConfig
 from gyre.trainer.batch import TokenBatch, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
+from gyre.trainer.scoring import ScoringOptions
 
 OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 
@@ -85,6 +86,7 @@ class GRPOSettings:
     rollout_is_threshold_lower: float = 0.0
     vf_coef: float = 0.5
     value_clip: float = 0.2
+    scoring: ScoringOptions = field(default_factory=ScoringOptions)  # perf.* of the trainer
 
     def loss_params(self) -> LossParams:
         return LossParams(self.clip_eps, self.clip_eps_high, self.dual_clip)
@@ -182,7 +184,12 @@ def prepare_batch(
         pad = T - mb.input_ids.shape[1]
         if need_old or value_model is not None:
             logp, _, values = policy_forward(
-                model, mb, settings.temperature, settings.top_p, value_model=value_model
+                model,
+                mb,
+                settings.temperature,
+                settings.top_p,
+                value_model=value_model,
+                options=settings.scoring,
             )
             if need_old:
                 parts["old_logprobs"].append(torch.nn.functional.pad(logp, (0, pad)))
@@ -191,7 +198,12 @@ def prepare_batch(
         if need_ref:
             assert ref_model is not None
             ref, _ = token_logprobs(
-                ref_model, mb, settings.temperature, settings.top_p, score_mask=mb.loss_mask
+                ref_model,
+                mb,
+                settings.temperature,
+                settings.top_p,
+                options=settings.scoring,
+                score_mask=mb.loss_mask,
             )
             parts["ref_logprobs"].append(torch.nn.functional.pad(ref, (0, pad)))
     model.train(was_training)
@@ -350,6 +362,7 @@ def policy_update(
                 with_entropy=True,
                 entropy_grad=settings.entropy_coef != 0,
                 value_model=value_model,
+                options=settings.scoring,
             )
             if "old_logprobs" in mb.extras:
                 old = mb.extras["old_logprobs"]
@@ -383,6 +396,7 @@ def policy_update(
                             mb,
                             settings.temperature,
                             settings.top_p,
+                            options=settings.scoring,
                             score_mask=mb.loss_mask,
                         )
                 kl = kl_fn(logp, ref_logp)
@@ -461,8 +475,9 @@ def clipped_value_loss(
     return 0.5 * torch.maximum(a, b), b > a
 
 
-def settings_from_config(train: TrainConfig) -> GRPOSettings:
-    """The update settings of a ``train`` config section (``train.*`` and ``train.algo.*``)."""
+def settings_from_config(train: TrainConfig, perf: PerfConfig) -> GRPOSettings:
+    """The update settings of a run: ``train.*``, ``train.algo.*`` and the trainer's scoring
+    paths from ``perf.*``."""
     a = train.algo
     return GRPOSettings(
         clip_eps=train.clip_eps,
@@ -490,4 +505,5 @@ def settings_from_config(train: TrainConfig) -> GRPOSettings:
         rollout_is_threshold_lower=a.rollout_is_threshold_lower,
         vf_coef=a.vf_coef,
         value_clip=a.value_clip,
+        scoring=ScoringOptions.from_perf(perf),
     )
