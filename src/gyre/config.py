@@ -476,6 +476,23 @@ class SandboxConfig(_Section):
         "kernel refuses. allow: no network isolation.",
     )
     workers: int = Field(2, gt=0, description="Worker processes, reused across calls.")
+    max_processes: int = Field(
+        64,
+        ge=4,
+        description="RLIMIT_NPROC of a worker: processes and threads it may have at once, the "
+        "sandbox's own 3 included (docs/rewards.md: where the kernel enforces it).",
+    )
+    user: str = Field(
+        "nobody",
+        description="When the trainer runs as root, workers switch to this user before "
+        "confining themselves (the kernel never applies the process limit to root); '' keeps "
+        "root. Reward modules must be readable by it.",
+    )
+    read_only: list[str] = Field(
+        default_factory=list,
+        description="Extra paths made read-only for reward code (bind mounts in the worker's "
+        "mount namespace); the run dir always is.",
+    )
     failure_reward: float = Field(
         0.0, description="Reward given to a sample whose call failed (sandboxed or in process)."
     )

@@ -202,7 +202,10 @@ class Rewarder:
         if sandboxed:
             from gyre.rewards.sandbox import SandboxPool
 
-            self.pool = SandboxPool(cfg.sandbox, sorted({t.path for t in sandboxed}))
+            # The run dir (where the failure log lives: checkpoints, metrics) is read-only to
+            # reward code.
+            protect = [str(self.failure_log.parent)] if self.failure_log else []
+            self.pool = SandboxPool(cfg.sandbox, sorted({t.path for t in sandboxed}), protect)
             for t in sandboxed:
                 err = self.pool.import_errors.get(t.path)
                 if err:
