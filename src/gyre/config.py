@@ -86,8 +86,10 @@ class MazeConfig(_Section):
         "the open moves + goal offset; window: a local square; grid: the whole grid every turn.",
     )
     view: int = Field(
-        1, ge=1, description="View radius: compass cells within this many moves; exits looks 1 or 2"
-        " moves ahead; window half-width."
+        1,
+        ge=1,
+        description="View radius: compass cells within this many moves; exits looks 1 or 2"
+        " moves ahead; window half-width.",
     )
 
 
@@ -98,7 +100,7 @@ class ArithmeticConfig(_Section):
 
 class DatasetConfig(_Section):
     path: str = Field(
-        "", description="JSONL file, one task a line: {\"prompt\": ..., \"answer\": ..., ...}."
+        "", description='JSONL file, one task a line: {"prompt": ..., "answer": ..., ...}.'
     )
     prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
     answer_field: str = Field(
@@ -479,14 +481,15 @@ class SandboxConfig(_Section):
     max_processes: int = Field(
         64,
         ge=4,
-        description="RLIMIT_NPROC of a worker: processes and threads it may have at once, the "
-        "sandbox's own 3 included (docs/rewards.md: where the kernel enforces it).",
+        description="Processes and threads a worker may have at once, the sandbox's own 3 "
+        "included: a pids cgroup for root trainers where one can be made, else RLIMIT_NPROC "
+        "(docs/rewards.md: where each is enforced).",
     )
     user: str = Field(
-        "nobody",
-        description="When the trainer runs as root, workers switch to this user before "
-        "confining themselves (the kernel never applies the process limit to root); '' keeps "
-        "root. Reward modules must be readable by it.",
+        "",
+        description="When the trainer runs as root, workers switch to this user (e.g. 'nobody') "
+        "before confining themselves: file permissions then apply, and so does RLIMIT_NPROC. "
+        "'' keeps root. Python and the reward modules must be readable by that user.",
     )
     read_only: list[str] = Field(
         default_factory=list,

@@ -118,8 +118,13 @@ def serve(init: dict[str, Any], requests: BinaryIO, replies: BinaryIO, conf: dic
     cf.limit_memory(int(init["memory_mb"]))
     # RLIMIT_NPROC: never applied by the kernel to uid 0; without a user namespace it counts
     # every process of the uid, so it is set only when the worker has a uid of its own.
-    if conf["root"]:
-        notes.append("process limit not enforced: the worker runs as root (reward.sandbox.user)")
+    if conf.get("cgroup"):
+        conf["max_processes"] = int(init["max_processes"])  # pids.max of its cgroup
+    elif conf["root"]:
+        notes.append(
+            "process limit not enforced: the worker runs as root (RLIMIT_NPROC does not apply) "
+            "and no pids cgroup could be made; set reward.sandbox.user"
+        )
     elif conf["containment"] == "pidns" or conf["own_uid"]:
         cf.limit_processes(int(init["max_processes"]))
         conf["max_processes"] = int(init["max_processes"])
@@ -200,6 +205,10 @@ def main() -> int:
     if init is None:
         return 1
     was_root = os.getuid() == 0
+    cgroup = init.get("cgroup")
+    if cgroup:  # before any fork: every process of this worker is counted in pids.max
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as fh:
+            fh.write(str(os.getpid()))
     why = cf.drop_to_user(init.get("user", ""))
     if why:
         write_frame(replies, {"ok": False, "kind": "isolation", "error": why})
@@ -209,6 +218,7 @@ def main() -> int:
         "own_uid": was_root and os.getuid() != 0,
         "read_only": [],
         "own_proc": False,
+        "cgroup": cgroup,
         "notes": [],
     }
     flags = cf.CLONE_NEWUSER | cf.CLONE_NEWPID | cf.CLONE_NEWNS

@@ -32,12 +32,12 @@ import json
 import logging
 import math
 import os
+import pwd
 import queue
 import select
+import shutil
 import signal
 import struct
-import pwd
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyre.config import SandboxConfig
+from gyre.rewards import _cgroup
 from gyre.rewards.errors import SandboxUnavailableError
 
 log = logging.getLogger("gyre.rewards")
@@ -110,6 +111,8 @@ class _Worker:
         # The worker module comes from the same gyre as this one (not whichever is installed).
         env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
         self.ns_init: int | None = None
+        # Root is exempt from RLIMIT_NPROC; a pids cgroup bounds a root worker's tree instead.
+        self.cgroup = _cgroup.make_pids_cgroup(cfg.max_processes) if uid is None else None
         self.proc = subprocess.Popen(
             [sys.executable, *WORKER_ARGS],
             stdin=subprocess.PIPE,
@@ -127,6 +130,7 @@ class _Worker:
             "user": cfg.user,
             "read_only": [os.path.realpath(p) for p in read_only],
             "workdir": self.workdir,
+            "cgroup": self.cgroup,
             "parent_pid": os.getpid(),
             "sys_path": list(sys.path),
             "fns": list(fns),
@@ -195,7 +199,8 @@ class _Worker:
             ):
                 bad = [v for v in values if not math.isfinite(v)]
                 if bad:
-                    return CallResult(None, "bad_output", f"non-finite reward from worker: {bad[0]}")
+                    msg = f"non-finite reward from worker: {bad[0]}"
+                    return CallResult(None, "bad_output", msg)
                 return CallResult([float(v) for v in values])
             return CallResult(None, "bad_output", f"malformed reply from worker: {reply!r:.200}")
         return CallResult(None, str(reply.get("kind", "exception")), str(reply.get("error", "")))
@@ -233,6 +238,9 @@ class _Worker:
             with contextlib.suppress(Exception):
                 f.close()  # type: ignore[union-attr]
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.cgroup is not None:
+            _cgroup.remove(self.cgroup)
+            self.cgroup = None
 
 
 def _worker_uid(user: str) -> int | None:
