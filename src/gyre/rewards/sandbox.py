@@ -4,22 +4,26 @@ network; a failed call costs that sample a configured reward, never the run.
 Guarantees (what is enforced, and how):
 
 - **wall time**: the parent waits at most ``timeout_s`` for a call's reply, then SIGKILLs the
-  worker's whole process group (programs the reward spawned included) and starts a fresh one;
+  worker's PID namespace (every process the reward started, ``setsid()`` and double forks
+  included) and starts a fresh worker;
+- **processes**: the worker is its namespace's PID 2 under an init of ours that dies with the
+  launcher, which dies with the trainer (``PR_SET_PDEATHSIG``), so nothing outlives the trainer,
+  even on ``kill -9``; ``max_processes`` via a pids cgroup (root) or ``RLIMIT_NPROC``;
 - **memory**: ``RLIMIT_AS`` in the worker (soft = hard); past it allocations fail
   (``MemoryError``), and a worker killed outright is reported as a crash;
-- **network**: the worker enters a new user + network namespace before importing user code, so
-  it has no interface but a downed loopback and holds no capability to leave; when the kernel
-  refuses, starting the sandbox raises :class:`SandboxUnavailableError` — it never silently
-  runs with network unless ``network="allow"`` was asked for;
-- **isolation of the parent**: replies are length-prefixed JSON checked for shape, not pickle.
+- **network**: ``network: deny`` adds a network namespace (a downed loopback only); when the
+  kernel refuses, starting the sandbox raises :class:`SandboxUnavailableError`;
+- **file system**: the run dir and ``read_only`` paths are read-only bind mounts in the
+  worker's mount namespace; the worker has no capabilities and cwd/TMPDIR/HOME in a private
+  temp dir. Everything else is as readable/writable as for the worker's uid;
+- **isolation of the parent**: replies are length-prefixed JSON checked for shape and
+  finiteness, not pickle; the worker's environment holds only PATH, LANG, LC_*, TZ and
+  thread-count variables (not the parent's API keys or tokens).
 
-- **secrets**: the worker's environment holds only PATH, HOME, LANG, LC_*, TMPDIR, TZ and
-  thread-count variables, not the parent's API keys or tokens.
-
-Not guaranteed: filesystem isolation (the worker runs as the same user and can read and write
-what it can, including UNIX-domain sockets bound to paths), a process-count limit, CPU-time
-fairness, the honesty of the values the sandboxed code returns, or protection against kernel
-exploits. Use a container or VM for hostile code beyond model-written snippets.
+Where namespaces are refused and ``network: allow`` was asked for, the fallback is the worker's
+own session as a child subreaper, its process tree killed at a timeout (a logged note says so;
+then a trainer's ``kill -9`` leaves the reward's children running, and nothing is read-only).
+docs/rewards.md, "What the sandbox isolates", has the whole list.
 
 Workers are reused across calls and steps (start-up and imports are paid once), and a call is
 one sample so that a failure costs exactly that sample.
