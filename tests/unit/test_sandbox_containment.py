@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from gyre.config import SandboxConfig
+from gyre.rewards import _cgroup
 from gyre.rewards.sandbox import SandboxPool
 
 FIXTURES = [
@@ -106,8 +107,9 @@ def test_an_escaped_grandchild_dies_at_the_timeout(shared_dir, double):
         pids = [worker.proc.pid] + ([worker.ns_init] if worker.ns_init else [])
         res = pool.map([_req("setsid_grandchild", marker=str(marker), token=token, delay=2.0)])
         assert res[0].kind == "timeout"
-        assert not any(_alive(p) for p in pids), "the worker survived its timeout"
-        assert _wait_until(lambda: not _with_token(token), 2.0), "the grandchild survived"
+        gone = lambda: not any(_alive(p) for p in pids)  # noqa: E731
+        assert _wait_until(gone, 5.0), "the worker survived its timeout"
+        assert _wait_until(lambda: not _with_token(token), 5.0), "the grandchild survived"
         time.sleep(2.5)  # past the moment the grandchild would have written the marker
         assert not marker.exists()
         assert pool.map([_req("chatty")])[0].values == [0.5]  # a fresh worker serves
@@ -126,7 +128,7 @@ def test_kill_9_of_the_trainer_kills_the_worker_and_its_grandchildren(shared_dir
         from gyre.rewards.sandbox import SandboxPool
         pool = SandboxPool(SandboxConfig(timeout_s=600, network="allow"), {FIXTURES!r})
         w = pool._all[0]
-        print(w.proc.pid, w.ns_init, flush=True)
+        print(w.proc.pid, w.ns_init, w.workdir, w.cgroup or "", flush=True)
         req = {{"fn": "reward_fixtures:setsid_grandchild", "prompts": ["p"], "completions": ["c"],
                "columns": {{}}, "kwargs": {{"marker": {str(marker)!r}, "token": {token!r},
                "delay": 6.0, "double": True}}}}
@@ -136,7 +138,8 @@ def test_kill_9_of_the_trainer_kills_the_worker_and_its_grandchildren(shared_dir
     owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout is not None
-        worker_pids = [int(x) for x in owner.stdout.readline().split()]
+        outer, ns_init, workdir, *cgroup = owner.stdout.readline().split()
+        worker_pids = [int(outer), int(ns_init)]
         assert _wait_until(lambda: bool(_with_token(token)), 20.0), "no grandchild started"
         seen_at, hung = time.monotonic(), _with_token(token)
         owner.send_signal(signal.SIGKILL)
@@ -148,6 +151,10 @@ def test_kill_9_of_the_trainer_kills_the_worker_and_its_grandchildren(shared_dir
     finally:
         owner.kill()
         owner.wait()
+        if "workdir" in locals():  # left behind by a killed trainer (documented): tidy up
+            shutil.rmtree(workdir, ignore_errors=True)
+            for cg in cgroup:
+                _cgroup.remove(cg)
 
 
 @needs_pidns
@@ -199,7 +206,7 @@ def test_fallback_without_namespaces_still_kills_a_setsid_grandchild(monkeypatch
         assert pool._all[0].ns_init is None
         res = pool.map([_req("setsid_grandchild", marker=str(marker), token=token, double=True)])
         assert res[0].kind == "timeout"
-        assert _wait_until(lambda: not _with_token(token), 2.0), "the grandchild survived"
+        assert _wait_until(lambda: not _with_token(token), 5.0), "the grandchild survived"
         time.sleep(2.5)
         assert not marker.exists()
     finally:
