@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
 import time
 from typing import Any
 
@@ -112,15 +111,6 @@ def dialer(prompts, completions, group_id, port=0, when="always", **kw):
     return [1.0] * len(prompts)
 
 
-def spawn_and_hang(prompts, completions, pid_file="", **kw):
-    """Start a grandchild process, record its pid, then hang: the timeout must kill both."""
-    child = subprocess.Popen(["sleep", "600"])
-    with open(pid_file, "w") as fh:
-        fh.write(str(child.pid))
-    time.sleep(600)
-    return [1.0]
-
-
 def crash(prompts, completions, **kw):
     os._exit(3)
 
@@ -161,3 +151,71 @@ def odd_groups_raise(prompts: list[str], completions: list[str], **columns: Any)
 
 async def async_odd_groups_raise(prompts: list[str], completions: list[str], **columns: Any):
     return odd_groups_raise(prompts, completions, **columns)
+
+
+# -- escapes the sandbox must contain (test_sandbox_containment.py) ---------------------------
+def setsid_grandchild(prompts, completions, marker="", token="", delay=2.0, double=False, **kw):
+    """Start a grandchild in a session of its own (``double``: via a double fork, so that it is
+    an orphan), which writes ``marker`` after ``delay`` s and carries ``token`` in its command
+    line; then hang. The sandbox must kill the grandchild with the worker."""
+    import sys
+
+    code = "import sys, time; time.sleep(float(sys.argv[2])); open(sys.argv[1], 'w').write('x')"
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if double and os.fork() != 0:
+            os._exit(0)
+        try:
+            os.execv(sys.executable, [sys.executable, "-c", code, marker, str(delay), token])
+        finally:
+            os._exit(127)  # never return into the worker's serve loop
+    if double:
+        os.waitpid(pid, 0)
+    time.sleep(600)
+    return [1.0]
+
+
+def fork_many(prompts, completions, n=200, **kw):
+    """Fork up to ``n`` children that sleep 60 s (a bounded fork bomb); 1.0 if all started."""
+    for _ in range(int(n)):
+        if os.fork() == 0:
+            try:
+                time.sleep(60)
+            finally:
+                os._exit(0)
+    return [1.0]
+
+
+def write_into(prompts, completions, path="", **kw):
+    """Write a file into the directory ``path``; 1.0 when that worked."""
+    with open(os.path.join(path, "written-by-reward"), "w") as fh:
+        fh.write("x")
+    return [1.0]
+
+
+def forged_nan(prompts, completions, **kw):
+    """Write a NaN reply frame straight onto the protocol pipe, as hostile code could."""
+    import gc
+    import io
+    import json
+    import struct
+
+    pipes = [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, io.BufferedWriter) and not o.closed and o.fileno() > 2
+    ]
+    data = json.dumps({"ok": True, "values": [float("nan")]}).encode()
+    pipes[0].write(struct.pack(">I", len(data)) + data)
+    pipes[0].flush()
+    time.sleep(600)  # the forged frame is the reply the parent reads
+    return [1.0]
+
+
+def huge(prompts, completions, **kw):
+    return [1.7e308] * len(prompts)
+
+
+def inf_on_second(prompts, completions, **kw):
+    return [float("inf") if i == 1 else 1.0 for i in range(len(prompts))]

@@ -536,6 +536,24 @@ class SandboxConfig(_Section):
         "kernel refuses. allow: no network isolation.",
     )
     workers: int = Field(2, gt=0, description="Worker processes, reused across calls.")
+    max_processes: int = Field(
+        64,
+        ge=4,
+        description="Processes and threads a worker may have at once, the sandbox's own 3 "
+        "included: a pids cgroup for root trainers where one can be made, else RLIMIT_NPROC "
+        "(docs/rewards.md: where each is enforced).",
+    )
+    user: str = Field(
+        "",
+        description="When the trainer runs as root, workers switch to this user (e.g. 'nobody') "
+        "before confining themselves: file permissions then apply, and so does RLIMIT_NPROC. "
+        "'' keeps root. Python and the reward modules must be readable by that user.",
+    )
+    read_only: list[str] = Field(
+        default_factory=list,
+        description="Extra paths made read-only for reward code (bind mounts in the worker's "
+        "mount namespace); the run dir always is.",
+    )
     failure_reward: float = Field(
         0.0, description="Reward given to a sample whose call failed (sandboxed or in process)."
     )

@@ -3,6 +3,7 @@ metrics, and errors that name the config field. Everything runs in process (no s
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -206,13 +207,17 @@ def test_arithmetic_env_exposes_its_answer_to_reward_functions():
     assert info["task"] == {"answer": str(int(a) + int(b))}
 
 
-@pytest.mark.parametrize("fn", ["reward_fixtures:odd_groups_raise",
-                                "reward_fixtures:async_odd_groups_raise"])
+@pytest.mark.parametrize(
+    "fn", ["reward_fixtures:odd_groups_raise", "reward_fixtures:async_odd_groups_raise"]
+)
 def test_in_process_exception_fails_only_its_samples_and_is_counted(fn, tmp_path):
     # group_id is i // 2: samples 2, 3 (group 1) make the function raise, 0, 1 (group 0) do not.
     cfg = RewardConfig.model_validate(
-        {"functions": [{"fn": fn, "name": "f"}], "env_weight": 0.0,
-         "sandbox": {"failure_reward": -1.0, "max_failure_frac": 0.5}}
+        {
+            "functions": [{"fn": fn, "name": "f"}],
+            "env_weight": 0.0,
+            "sandbox": {"failure_reward": -1.0, "max_failure_frac": 0.5},
+        }
     )
     log = tmp_path / "failures.jsonl"
     r = Rewarder(cfg, log)
@@ -223,6 +228,59 @@ def test_in_process_exception_fails_only_its_samples_and_is_counted(fn, tmp_path
     lines = log.read_text().splitlines()
     assert len(lines) == 2 and "cannot score odd groups" in lines[0]
     # more than max_failure_frac of the batch failing stops the step, naming the field and key
-    with pytest.raises(RewardError, match=r"reward.functions\[0\].fn .* 4/6 samples .*"
-                       r"reward.sandbox.max_failure_frac=0.5"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward.functions\[0\].fn .* 4/6 samples .*"
+        r"reward.sandbox.max_failure_frac=0.5",
+    ):
         r.score_batch(_batch(["a"] * 6, [0.0] * 6, group_id=[0, 0, 1, 1, 1, 1]))
+
+
+def _tolerant(*functions: dict, frac: float, env_weight: float = 1.0) -> RewardConfig:
+    return RewardConfig.model_validate(
+        {
+            "functions": list(functions),
+            "env_weight": env_weight,
+            "sandbox": {"max_failure_frac": frac, "failure_reward": -1.0, "network": "allow"},
+        }
+    )
+
+
+def test_an_inf_value_fails_that_sample_and_names_function_and_row(tmp_path):
+    r = Rewarder(_tolerant({"fn": "reward_fixtures:inf_on_second"}, frac=0.25), tmp_path / "f")
+    totals, values, metrics = r.score_batch(_batch(["a", "b", "c", "d"], [0.0] * 4))
+    assert values["inf_on_second"] == [1.0, -1.0, 1.0, 1.0] and totals == [1.0, -1.0, 1.0, 1.0]
+    assert metrics["reward/failures"] == 1.0
+    rec = json.loads((tmp_path / "f").read_text())
+    assert rec["kind"] == "non_finite" and rec["sample"] == 1 and rec["term"] == "inf_on_second"
+    with pytest.raises(RewardError) as err:  # 1 of 2 samples: 50% > 25%
+        r.score_batch(_batch(["a", "b"], [0.0, 0.0]))
+    msg = str(err.value)
+    assert "reward.functions[0].fn (reward_fixtures:inf_on_second): value 1 is inf" in msg
+    assert "1/2 samples" in msg and "max_failure_frac=0.25" in msg
+
+
+def test_a_finite_reward_that_overflows_the_weighted_total_is_named_not_a_nan_loss():
+    r = Rewarder(_cfg({"fn": "reward_fixtures:huge", "weight": 2}))
+    with pytest.raises(RewardError) as err:
+        r.score_batch(_batch(["a"], [0.0]))
+    msg = str(err.value)
+    assert "reward total is not finite for sample 0" in msg and "2 * huge(1.7e+308)" in msg
+    tolerant = Rewarder(_tolerant({"fn": "reward_fixtures:huge", "weight": 2}, frac=1.0))
+    totals, values, metrics = tolerant.score_batch(_batch(["a", "b"], [0.0, 0.0]))
+    assert totals == [-1.0, -1.0] and values["huge"] == [1.7e308, 1.7e308]
+    assert metrics["reward/failures"] == 2.0
+    assert all(math.isfinite(v) for v in totals)
+
+
+def test_a_nan_returned_inside_the_sandbox_is_a_failure():
+    cfg = _tolerant({"fn": "reward_fixtures:nan", "sandbox": True}, frac=0.5)
+    r = Rewarder(cfg)
+    try:
+        with pytest.raises(RewardError) as err:
+            r.score_batch(_batch(["a", "b"], [0.0, 0.0]))
+    finally:
+        r.close()
+    msg = str(err.value)
+    assert "2/2 calls failed" in msg and "reward_fixtures:nan" in msg and "sample 0" in msg
+    assert "[bad_output]" in msg and "non-finite" in msg

@@ -279,3 +279,23 @@ def test_wandb_sink_calls(tmp_path, monkeypatch):
     sink.close()
     assert seen["project"] == "proj" and seen["name"] == "myrun"
     assert run.logged == [(3, {"a": 1.0})] and run.finished
+
+
+def test_samples_jsonl_stays_strict_json_with_non_finite_rewards(tmp_path, tokenizer):
+    from gyre.rollout.episodes import demonstrate
+
+    rng = np.random.default_rng(0)
+    trajs = [demonstrate(MazeEnv, tokenizer, 100 + k, 0.0, rng) for k in range(3)]
+    for t, bad in zip(trajs, (float("nan"), float("inf"), -float("inf")), strict=True):
+        t.reward = bad
+        t.info["rewards"] = {"env": bad}
+    w = SampleWriter(tmp_path / "s.jsonl", 1.0, tokenizer)
+    assert w.write(0, trajs) == 3
+    w.close()
+
+    def refuse(name: str):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert [r["reward"] for r in rows] == [None, None, None]

@@ -71,8 +71,9 @@ def resolve_callable(path: str, field_name: str) -> Callable[..., Any]:
     return obj
 
 
-def as_values(out: Any, n: int, field_name: str) -> list[float]:
-    """Check a function's return value: ``n`` finite numbers."""
+def as_values(out: Any, n: int, field_name: str, finite: bool = True) -> list[float]:
+    """Check a function's return value: ``n`` numbers, finite unless ``finite=False`` (the
+    :class:`Rewarder` checks finiteness per sample itself, as a failure of that sample)."""
     if hasattr(out, "tolist") and not isinstance(out, list | tuple):
         out = out.tolist()  # numpy array / torch tensor
     if not isinstance(out, list | tuple):
@@ -85,7 +86,7 @@ def as_values(out: Any, n: int, field_name: str) -> list[float]:
     for i, v in enumerate(out):
         if isinstance(v, bool) or not isinstance(v, int | float):
             raise RewardError(f"{field_name}: value {i} is {v!r}, not a number")
-        if not math.isfinite(v):
+        if finite and not math.isfinite(v):
             raise RewardError(f"{field_name}: value {i} is {v}, not finite")
         values.append(float(v))
     return values
@@ -202,7 +203,10 @@ class Rewarder:
         if sandboxed:
             from gyre.rewards.sandbox import SandboxPool
 
-            self.pool = SandboxPool(cfg.sandbox, sorted({t.path for t in sandboxed}))
+            # The run dir (where the failure log lives: checkpoints, metrics) is read-only to
+            # reward code.
+            protect = [str(self.failure_log.parent)] if self.failure_log else []
+            self.pool = SandboxPool(cfg.sandbox, sorted({t.path for t in sandboxed}), protect)
             for t in sandboxed:
                 err = self.pool.import_errors.get(t.path)
                 if err:
@@ -226,7 +230,7 @@ class Rewarder:
                 if inspect.isawaitable(out):
                     pending.append((term, out))
                 else:
-                    values[term.name] = as_values(out, n, term.field)
+                    values[term.name] = self._finite(term, as_values(out, n, term.field, False))
             except Exception as exc:
                 try:
                     if isinstance(exc, RewardError):
@@ -245,16 +249,78 @@ class Rewarder:
                 if isinstance(out, BaseException):
                     values[term.name] = self._per_sample(term, batch, out)
                     continue
-                values[term.name] = as_values(out, n, term.field)
+                values[term.name] = self._finite(term, as_values(out, n, term.field, False))
         sandbox_metrics = self._score_sandboxed(batch, values)
         if self._step_failures is not None:
             sandbox_metrics["reward/failures"] = float(self._step_failures)
             sandbox_metrics["reward/failures_total"] = float(self.inprocess_failures_total)
             self._step_failures = None
-        totals = [self.cfg.env_weight * v for v in values["env"]]
-        for term in self.terms:
-            totals = [a + term.weight * b for a, b in zip(totals, values[term.name], strict=True)]
+        totals = self._totals(values)
+        if self._step_failures is not None:  # only the weighted total failed this step
+            sandbox_metrics["reward/failures"] = float(self._step_failures)
+            sandbox_metrics["reward/failures_total"] = float(self.inprocess_failures_total)
+            self._step_failures = None
         return totals, values, sandbox_metrics
+
+    def _count_failures(self, k: int) -> None:
+        self.inprocess_failures_total += k
+        self._step_failures = (self._step_failures or 0) + k
+
+    def _too_many(self, k: int, n: int) -> str | None:
+        frac = k / max(n, 1)
+        if frac <= self.cfg.sandbox.max_failure_frac:
+            return None
+        return (
+            f"{k}/{n} samples at step {self.step} ({frac:.0%} > reward.sandbox.max_failure_frac="
+            f"{self.cfg.sandbox.max_failure_frac})"
+        )
+
+    def _finite(self, term: RewardTerm, vals: list[float]) -> list[float]:
+        """A non-finite value is a failure of that sample: ``failure_reward``, logged, counted;
+        past ``max_failure_frac`` of the batch the run stops naming the function and sample."""
+        bad = [(i, v) for i, v in enumerate(vals) if not math.isfinite(v)]
+        if not bad:
+            return vals
+        for i, v in bad:
+            self._log_failure(term, i, "non_finite", f"{term.path} returned {v} for sample {i}")
+        self._count_failures(len(bad))
+        why = self._too_many(len(bad), len(vals))
+        if why:
+            i, v = bad[0]
+            raise RewardError(f"{term.field} ({term.path}): value {i} is {v}, not finite; {why}")
+        out = list(vals)
+        for i, _ in bad:
+            out[i] = self.cfg.sandbox.failure_reward
+        return out
+
+    def _totals(self, values: dict[str, list[float]]) -> list[float]:
+        """``env_weight * env + sum weight_i * f_i`` per sample. Finite terms can still overflow
+        (1.7e308 with weight 2): such a sample's total is ``failure_reward``, logged and counted
+        like a failed call, and past ``max_failure_frac`` the run stops naming the terms."""
+        weights = {"env": self.cfg.env_weight, **{t.name: t.weight for t in self.terms}}
+        totals = [0.0] * len(values["env"])
+        for name, w in weights.items():
+            totals = [a + w * b for a, b in zip(totals, values[name], strict=True)]
+        bad = [i for i, v in enumerate(totals) if not math.isfinite(v)]
+        if not bad:
+            return totals
+        parts = {
+            i: " + ".join(f"{weights[k]:g} * {k}({values[k][i]:g})" for k in weights) for i in bad
+        }
+        for i in bad:
+            msg = f"weighted reward total of sample {i} is {totals[i]}: {parts[i]}"
+            fail = self.cfg.sandbox.failure_reward
+            log.warning("%s at step %d; it gets %s", msg, self.step, fail)
+            self._write_failure({"term": "total", "fn": "", "sample": i, "error": msg})
+            totals[i] = self.cfg.sandbox.failure_reward
+        self._count_failures(len(bad))
+        why = self._too_many(len(bad), len(totals))
+        if why:
+            raise RewardError(
+                f"reward total is not finite for sample {bad[0]}: {parts[bad[0]]} "
+                f"(overflow; scale the reward or its weight); {why}"
+            )
+        return totals
 
     def _per_sample(self, term: RewardTerm, batch: RewardBatch, exc: BaseException) -> list[float]:
         """An in-process function raised on the batch: call it sample by sample, so only the
@@ -271,7 +337,10 @@ class Rewarder:
                     out = _run_coroutines([out])[0]
                     if isinstance(out, BaseException):
                         raise out
-                vals[i] = as_values(out, 1, term.field)[0]
+                v = as_values(out, 1, term.field, False)[0]
+                if not math.isfinite(v):
+                    raise ValueError(f"{term.path} returned {v} for sample {i}")
+                vals[i] = v
             except RewardError:
                 raise
             except Exception as err:
@@ -359,15 +428,12 @@ class Rewarder:
             self.cfg.sandbox.failure_reward,
             error,
         )
+        rec = {"term": term.name, "fn": term.path, "sample": index, "kind": kind, "error": error}
+        self._write_failure(rec)
+
+    def _write_failure(self, rec: dict[str, Any]) -> None:
         if self.failure_log is not None:
-            rec = {
-                "step": self.step,
-                "term": term.name,
-                "fn": term.path,
-                "sample": index,
-                "kind": kind,
-                "error": error,
-            }
+            rec = {"step": self.step, "kind": "non_finite", **rec}
             with self.failure_log.open("a") as fh:
                 fh.write(json.dumps(rec) + "\n")
 

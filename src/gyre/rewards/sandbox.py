@@ -4,22 +4,26 @@ network; a failed call costs that sample a configured reward, never the run.
 Guarantees (what is enforced, and how):
 
 - **wall time**: the parent waits at most ``timeout_s`` for a call's reply, then SIGKILLs the
-  worker's whole process group (programs the reward spawned included) and starts a fresh one;
+  worker's PID namespace (every process the reward started, ``setsid()`` and double forks
+  included) and starts a fresh worker;
+- **processes**: the worker is its namespace's PID 2 under an init of ours that dies with the
+  launcher, which dies with the trainer (``PR_SET_PDEATHSIG``), so nothing outlives the trainer,
+  even on ``kill -9``; ``max_processes`` via a pids cgroup (root) or ``RLIMIT_NPROC``;
 - **memory**: ``RLIMIT_AS`` in the worker (soft = hard); past it allocations fail
   (``MemoryError``), and a worker killed outright is reported as a crash;
-- **network**: the worker enters a new user + network namespace before importing user code, so
-  it has no interface but a downed loopback and holds no capability to leave; when the kernel
-  refuses, starting the sandbox raises :class:`SandboxUnavailableError` — it never silently
-  runs with network unless ``network="allow"`` was asked for;
-- **isolation of the parent**: replies are length-prefixed JSON checked for shape, not pickle.
+- **network**: ``network: deny`` adds a network namespace (a downed loopback only); when the
+  kernel refuses, starting the sandbox raises :class:`SandboxUnavailableError`;
+- **file system**: the run dir and ``read_only`` paths are read-only bind mounts in the
+  worker's mount namespace; the worker has no capabilities and cwd/TMPDIR/HOME in a private
+  temp dir. Everything else is as readable/writable as for the worker's uid;
+- **isolation of the parent**: replies are length-prefixed JSON checked for shape and
+  finiteness, not pickle; the worker's environment holds only PATH, LANG, LC_*, TZ and
+  thread-count variables (not the parent's API keys or tokens).
 
-- **secrets**: the worker's environment holds only PATH, HOME, LANG, LC_*, TMPDIR, TZ and
-  thread-count variables, not the parent's API keys or tokens.
-
-Not guaranteed: filesystem isolation (the worker runs as the same user and can read and write
-what it can, including UNIX-domain sockets bound to paths), a process-count limit, CPU-time
-fairness, the honesty of the values the sandboxed code returns, or protection against kernel
-exploits. Use a container or VM for hostile code beyond model-written snippets.
+Where namespaces are refused and ``network: allow`` was asked for, the fallback is the worker's
+own session as a child subreaper, its process tree killed at a timeout (a logged note says so;
+then a trainer's ``kill -9`` leaves the reward's children running, and nothing is read-only).
+docs/rewards.md, "What the sandbox isolates", has the whole list.
 
 Workers are reused across calls and steps (start-up and imports are paid once), and a call is
 one sample so that a failure costs exactly that sample.
@@ -29,13 +33,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import os
+import pwd
 import queue
 import select
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -45,7 +54,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyre.config import SandboxConfig
+from gyre.rewards import _cgroup
 from gyre.rewards.errors import SandboxUnavailableError
+
+log = logging.getLogger("gyre.rewards")
 
 STARTUP_TIMEOUT_S = 60.0
 ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "TMPDIR", "TZ")
@@ -85,32 +97,56 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes | None:
 
 
 class _Worker:
-    """One confined worker process and its pipes."""
+    """One confined worker (launcher, namespace init and worker process) and its pipes."""
 
-    def __init__(self, cfg: SandboxConfig, fns: Sequence[str]) -> None:
+    def __init__(self, cfg: SandboxConfig, fns: Sequence[str], read_only: Sequence[str]) -> None:
         # Untrusted code sees no secrets from the parent's environment (API keys, tokens): only
         # the variables below pass. sys.path travels in the init frame instead of PYTHONPATH.
         env = {k: v for k, v in os.environ.items() if k in ENV_PASSTHROUGH or k.startswith("LC_")}
         # Thread pools reserve address space per thread; under RLIMIT_AS one thread is safer.
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = "1"
+        # A private working and temp dir, owned by the uid the worker will run as.
+        self.workdir = tempfile.mkdtemp(prefix="gyre-reward-")
+        uid = _worker_uid(cfg.user)
+        if uid is not None:
+            os.chown(self.workdir, uid, -1)
+        env["TMPDIR"] = env["HOME"] = self.workdir
+        # The worker module comes from the same gyre as this one (not whichever is installed).
+        env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        self.ns_init: int | None = None
+        # Root is exempt from RLIMIT_NPROC; a pids cgroup bounds a root worker's tree instead.
+        self.cgroup = _cgroup.make_pids_cgroup(cfg.max_processes) if uid is None else None
         self.proc = subprocess.Popen(
             [sys.executable, *WORKER_ARGS],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            start_new_session=True,  # its own process group: a timeout kills its children too
+            start_new_session=True,  # its own session and process group
             env=env,
+            cwd=self.workdir,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in, self._out = self.proc.stdin, self.proc.stdout.fileno()
         init = {
             "network": cfg.network,
             "memory_mb": cfg.memory_mb,
+            "max_processes": cfg.max_processes,
+            "user": cfg.user,
+            "read_only": [os.path.realpath(p) for p in read_only],
+            "workdir": self.workdir,
+            "cgroup": self.cgroup,
+            "parent_pid": os.getpid(),
             "sys_path": list(sys.path),
             "fns": list(fns),
         }
         self._send(init)
-        reply = self._recv(time.monotonic() + STARTUP_TIMEOUT_S)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        first = self._recv(deadline)
+        if isinstance(first, dict) and first.get("kind") == "confined":
+            self.ns_init = first.get("ns_init")
+            reply = self._recv(deadline)
+        else:
+            reply = first
         if not isinstance(reply, dict):
             self.kill()
             raise SandboxUnavailableError(
@@ -122,6 +158,7 @@ class _Worker:
                 "reward sandbox cannot enforce reward.sandbox.network=deny: " + reply["error"]
             )
         self.import_errors: dict[str, str] = reply.get("errors", {})
+        self.confinement: dict[str, Any] = reply.get("confinement", {})
 
     def _send(self, obj: Any) -> None:
         data = json.dumps(obj, default=str).encode()
@@ -161,12 +198,22 @@ class _Worker:
             return CallResult(None, "crash", self._death())
         if reply.get("ok"):
             values = reply.get("values")
-            if isinstance(values, list) and all(isinstance(v, int | float) for v in values):
+            if isinstance(values, list) and all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in values
+            ):
+                bad = [v for v in values if not math.isfinite(v)]
+                if bad:
+                    msg = f"non-finite reward from worker: {bad[0]}"
+                    return CallResult(None, "bad_output", msg)
                 return CallResult([float(v) for v in values])
             return CallResult(None, "bad_output", f"malformed reply from worker: {reply!r:.200}")
         return CallResult(None, str(reply.get("kind", "exception")), str(reply.get("error", "")))
 
     def _death(self) -> str:
+        # The reply pipe closes when the worker exits; its launcher exits right after with the
+        # worker's status, which is what the message should report.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=2.0)
         self.kill()
         rc = self.proc.returncode
         if rc is not None and rc < 0:
@@ -178,6 +225,14 @@ class _Worker:
         return self.proc.poll() is None
 
     def kill(self) -> None:
+        """SIGKILL everything the worker started: its PID namespace (killing the namespace's
+        init kills every process in it), else (fallback) its process tree and process group."""
+        if self.proc.poll() is None:
+            if self.ns_init is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(self.ns_init, signal.SIGKILL)
+            else:
+                _kill_tree(self.proc.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
@@ -186,6 +241,59 @@ class _Worker:
         for f in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(Exception):
                 f.close()  # type: ignore[union-attr]
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.cgroup is not None:
+            _cgroup.remove(self.cgroup)
+            self.cgroup = None
+
+
+def _worker_uid(user: str) -> int | None:
+    """The uid a worker switches to (as root, ``reward.sandbox.user``), else None."""
+    if os.getuid() != 0 or not user:
+        return None
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None  # the worker reports the missing user
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def _kill_tree(root: int) -> None:
+    """Fallback containment: stop ``root`` and every descendant (the worker is a child
+    subreaper, so orphans of setsid / double forks stay in its tree), then SIGKILL them all.
+    Rescanning until no new process appears catches forks racing the scan."""
+    seen: set[int] = set()
+    for _ in range(20):
+        kids = _children()
+        tree, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo.extend(kids.get(pid, []))
+        new = [p for p in tree if p not in seen]
+        if not new:
+            break
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGSTOP)
+        seen.update(new)
+    for pid in seen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _kill_all(workers: list[_Worker]) -> None:
@@ -196,14 +304,20 @@ def _kill_all(workers: list[_Worker]) -> None:
 class SandboxPool:
     """``workers`` confined processes serving calls in parallel; dead ones are replaced."""
 
-    def __init__(self, cfg: SandboxConfig, fns: Sequence[str]) -> None:
+    def __init__(
+        self, cfg: SandboxConfig, fns: Sequence[str], read_only: Sequence[str] = ()
+    ) -> None:
         self.cfg = cfg
         self.fns = list(fns)
+        self.read_only = [*cfg.read_only, *read_only]
         self._all: list[_Worker] = []
         self._lock = threading.Lock()
         self._idle: queue.Queue[_Worker | None] = queue.Queue()
         first = self._spawn()  # fails loudly here if isolation is impossible
         self.import_errors = first.import_errors
+        self.confinement = first.confinement
+        for note in self.confinement.get("notes", []):
+            log.warning("reward sandbox: %s", note)
         self._idle.put(first)
         for _ in range(cfg.workers - 1):
             self._idle.put(None)  # started on first use
@@ -211,7 +325,7 @@ class SandboxPool:
         self._finalizer = weakref.finalize(self, _kill_all, self._all)
 
     def _spawn(self) -> _Worker:
-        w = _Worker(self.cfg, self.fns)
+        w = _Worker(self.cfg, self.fns, self.read_only)
         with self._lock:
             self._all.append(w)
         return w

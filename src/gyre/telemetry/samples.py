@@ -5,7 +5,8 @@ Curves say that the reward moved; samples say why. Each line is one episode:
 ``step``, ``index`` (position in the step's batch), ``group_id``, ``task_seed``,
 ``policy_version``, ``reward``, ``success``, ``turns``, ``response_tokens``, ``text`` (the whole
 episode decoded: observations and the policy's actions, as the model saw them) and ``actions``
-(the policy's text of each turn). Maze episodes also carry ``maze``: ``size``, ``walls`` (rows
+(the policy's text of each turn). A non-finite number (a NaN reward) is written as ``null``, so
+every line is strict JSON. Maze episodes also carry ``maze``: ``size``, ``walls`` (rows
 of ``#``/``.``), ``start``, ``goal``, ``budget``, ``shortest`` and ``positions`` (the agent's
 cell after each action), which is what ``gyre report`` draws step by step. The maze is rebuilt
 from ``task_seed`` and the actions replayed through the env, so the drawing is what the env did.
@@ -42,6 +43,17 @@ def action_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
     if start is not None:
         spans.append((start, len(loss_mask)))
     return spans
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every NaN / inf float replaced by None: strict JSON (no bare ``NaN``)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def replay_maze(env: MazeEnv, seed: int, actions: Sequence[str]) -> dict[str, Any]:
@@ -133,7 +145,8 @@ class SampleWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = self.path.open("a", encoding="utf-8")
         for i in idx:
-            self._f.write(json.dumps(self.record(step, i, trajs[i])) + "\n")
+            rec = finite_json(self.record(step, i, trajs[i]))
+            self._f.write(json.dumps(rec, allow_nan=False) + "\n")
         self._f.flush()
         return len(idx)
 
