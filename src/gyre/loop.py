@@ -55,7 +55,7 @@ from gyre.trainer import scoring
 from gyre.trainer.batch import collate
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.sft import sft_step
-from gyre.trainer.update import batch_advantages, policy_update, prepare_batch, settings_from_config
+from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
 from gyre.types import SamplingParams, Trajectory
 
 STREAM_SFT, STREAM_GRPO = 1, 2
@@ -249,14 +249,14 @@ def update_phase(
     """
     m = {} if metrics is None else metrics
     device = next(model.parameters()).device
-    algo, settings = cfg.train.algo, settings_from_config(cfg.train)
+    algo = cfg.train.algo
     rewards = torch.tensor([t.reward for t in trajs])
     groups = torch.tensor([t.group_id for t in trajs])
     batch = collate(trajs, pad_token_id, device)
     shaped = apply_overlong(rewards, trajs, batch, cfg.train.dapo, cfg.train.sampling, m)
-    m.update(prepare_batch(model, batch, settings, ref_model, value_model))
+    m.update(prepare_batch(model, batch, cfg.train, ref_model, value_model))
     adv, adv_m = batch_advantages(
-        algo.advantage, shaped, groups, batch, settings,
+        algo.advantage, shaped, groups, batch, cfg.train,
         eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
     )  # fmt: skip
     m.update(adv_m)
@@ -265,7 +265,7 @@ def update_phase(
     reduce_counts = comm.reduce_counts if comm is not None else None
     sync_grads = comm.sync_gradients if comm is not None else None
     upd = policy_update(
-        model, optimizer, batch, adv, settings, ref_model, gen, value_model,
+        model, optimizer, batch, adv, cfg.train, ref_model, gen, value_model,
         reduce_counts=reduce_counts, sync_grads=sync_grads,
     )  # fmt: skip
     m.update(upd)

@@ -9,8 +9,9 @@ import torch
 
 from gyre.trainer.batch import TokenBatch, collate, token_logprobs
 from gyre.trainer.scoring import PACK_MIN_SAVING, ScoringOptions, pack_rows
-from gyre.trainer.sft import GRPOSettings, grpo_update
+from gyre.trainer.update import policy_update
 from gyre.types import Trajectory
+from helpers import train_cfg
 
 CPU = torch.device("cpu")
 PLAIN = ScoringOptions(pack=False, chunk=0)
@@ -73,12 +74,18 @@ def test_packed_chunked_update_equals_plain(make_tiny_model, monkeypatch, micro)
         monkeypatch.setenv("GYRE_LOGPROB_CHUNK", env[1])
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        m = grpo_update(
+        m = policy_update(
             model,
             opt,
             collate(trajs, 0, CPU),
             adv,
-            GRPOSettings(micro_batch_size=micro, max_grad_norm=1e9),
+            train_cfg(
+                micro_batch_size=micro,
+                max_grad_norm=1e9,
+                mini_batches=1,
+                loss_agg="token-mean",
+                old_logprobs="rollout",
+            ),
         )
         grads = [p.grad.detach().clone() for p in model.parameters()]
         results[name] = (m, grads)
