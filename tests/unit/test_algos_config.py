@@ -9,7 +9,8 @@ import pytest
 
 from gyre.algos import ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES, LossParams
 from gyre.config import AlgoConfig, ConfigError, TrainConfig, load_config
-from gyre.trainer.update import loss_params, resolve_old_logprobs
+from gyre.trainer.loss import loss_params
+from gyre.trainer.update import resolve_old_logprobs
 
 
 def test_defaults_are_the_original_grpo_update():

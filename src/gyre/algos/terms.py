@@ -4,7 +4,7 @@ Each term returns ``(contribution, metrics)``: ``contribution`` is what it adds 
 (per token (B, T) before aggregation, except the value loss, which is already a scalar share of
 the step and the rollout-IS weight, which multiplies the policy term) and ``metrics`` are
 masked token *sums* (detached; the update divides them by the step's scored tokens). None of
-them sees a model or an optimizer; :func:`gyre.trainer.update.micro_batch_loss` adds them up:
+them sees a model or an optimizer; :func:`gyre.trainer.loss.micro_batch_loss` adds them up:
 
     loss = sum_t w_t * (pg_t * is_t + kl_coef * kl_t - entropy_coef * H_t)
            + vf_coef * sum_t vl_t / (step tokens)

@@ -1,9 +1,9 @@
 """The policy update of one rollout batch, for every estimator / loss / aggregation mode.
 
 Every function here takes the typed ``train`` config section (:class:`gyre.config.TrainConfig`,
-``cfg.train``) itself; what is derived from it (the resolved old-logprob mode, the clip
-:class:`LossParams`, whether rows may be skipped) is a small function of that config. Three
-steps, called by the loop in order:
+``cfg.train``) itself; what is derived from it (the resolved old-logprob mode, whether rows may
+be skipped, the clip ``LossParams``) is a small function of that config. Three steps, called by
+the loop in order:
 
 1. :func:`prepare_batch` -- no-grad forwards before any weight changes: the trainer's own
    log-probs of the sampled tokens (the *old* policy of PPO's ratio), the reference policy's
@@ -11,8 +11,8 @@ steps, called by the loop in order:
 2. :func:`batch_advantages` -- KL-in-reward shaping, then the named estimator.
 3. :func:`policy_update` -- ``ppo_epochs`` x mini-batches optimizer steps. Per micro-batch: one
    forward, the loss as the sum of the named terms of :mod:`gyre.algos.terms`
-   (:func:`micro_batch_loss`), aggregated with weights fixed from the whole optimizer step's
-   counts, and a backward; per optimizer step: gradient sync, clipping, the step.
+   (:func:`gyre.trainer.loss.micro_batch_loss`) aggregated with weights fixed from the whole
+   optimizer step's counts, and a backward; per optimizer step: gradient sync, clip, step.
 
 Old log-probs (``train.algo.old_logprobs``): ``recompute`` scores the batch with the trainer
 before the first update, so the first ratio is exactly 1 and later ones measure only the
@@ -42,7 +42,6 @@ import torch
 
 from gyre.algos import (
     TOKEN_LEVEL,
-    LossParams,
     StepCounts,
     agg_weights,
     compute_advantages,
@@ -50,20 +49,15 @@ from gyre.algos import (
     masked_token_sum,
 )
 from gyre.algos.aggregate import check_mode
-from gyre.algos.terms import entropy_term, kl_term, policy_term, rollout_is_term, value_term
 from gyre.config import TrainConfig
 from gyre.trainer.batch import TokenBatch, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
+from gyre.trainer.loss import micro_batch_loss
 
 OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 
 
 # -- what the config implies ---------------------------------------------------------------------
-def loss_params(train: TrainConfig) -> LossParams:
-    """The clip settings of the ratio-based policy losses."""
-    return LossParams(train.clip_eps, train.algo.clip_eps_high, train.algo.dual_clip)
-
-
 def _micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
@@ -269,56 +263,6 @@ def finite_step(optimizer: torch.optim.Optimizer, grad_norm: float, loss: float)
         return True
     optimizer.zero_grad(set_to_none=True)
     return False
-
-
-def micro_batch_loss(
-    train: TrainConfig,
-    mb: TokenBatch,
-    weights: torch.Tensor,
-    step_tokens: float,
-    logp: torch.Tensor,
-    old: torch.Tensor,
-    adv: torch.Tensor,
-    ent: torch.Tensor,
-    ref_logp: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This micro-batch's share of the step loss, the sum of the named terms, and their metric
-    sums. Per token: policy loss x rollout-IS weight, + KL (when ``ref_logp``), + entropy
-    bonus; aggregated by ``weights``; + the value loss (when ``values``), in this float order.
-    """
-    a = train.algo
-    mask = mb.loss_mask
-    loss_tok, metrics = policy_term(logp, old, adv, mask, a.policy_loss, loss_params(train))
-    if a.rollout_is != "none":
-        is_w, m = rollout_is_term(
-            old,
-            mb.rollout_logprobs,
-            mask,
-            a.rollout_is,
-            a.rollout_is_level,
-            a.rollout_is_threshold,
-            a.rollout_is_threshold_lower,
-        )
-        loss_tok = loss_tok * is_w
-        metrics.update(m)
-    if ref_logp is not None:
-        kl, m = kl_term(logp, ref_logp, mask, a.kl_type, train.kl_coef)
-        loss_tok = loss_tok + kl
-        metrics.update(m)
-    bonus, m = entropy_term(ent, mask, a.entropy_coef)
-    if bonus is not None:
-        loss_tok = loss_tok + bonus
-    metrics.update(m)
-    loss = masked_token_sum(loss_tok, weights)
-    if values is not None:
-        ex = mb.extras
-        v, m = value_term(
-            values, ex["values"], ex["returns"], mask, a.value_clip, a.vf_coef, step_tokens
-        )
-        loss = loss + v
-        metrics.update(m)
-    return loss, metrics
 
 
 @dataclass
