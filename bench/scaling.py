@@ -85,10 +85,10 @@ def point_train(
 ) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gyre.config import ModelConfig
+    from gyre.config import ModelConfig, TrainConfig
     from gyre.trainer.batch import collate
     from gyre.trainer.scoring import ScoringOptions
-    from gyre.trainer.sft import GRPOSettings, grpo_update
+    from gyre.trainer.update import policy_update
     from gyre.types import Trajectory
 
     mc = ModelConfig()
@@ -117,14 +117,21 @@ def point_train(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # plain: perf.pack=false perf.logprob_chunk=0 (right padding, full-vocab log-softmax)
     scoring = ScoringOptions(pack=False, chunk=0) if side == "plain" else ScoringOptions()
-    settings = GRPOSettings(mini_batches=1, micro_batch_size=rows, scoring=scoring)
+    settings = TrainConfig.model_validate(
+        {
+            "mini_batches": 1,
+            "micro_batch_size": rows,
+            "loss_agg": "token-mean",
+            "algo": {"old_logprobs": "rollout"},
+        }
+    )
     batch = collate(trajs, 0, torch.device("cpu"))
     tokens = sum(len(t.token_ids) for t in trajs)
     base = _rss_mib()
     times = []
     for _ in range(repeats):  # the same work every time (the weights change, not the shapes)
         t0 = time.perf_counter()
-        grpo_update(model, opt, batch, adv, settings)
+        policy_update(model, opt, batch, adv, settings, scoring=scoring)
         times.append(time.perf_counter() - t0)
     dt = min(times)
     return {"tok_s": tokens / dt, "seconds": dt, "base_rss_mib": base}

@@ -60,7 +60,7 @@ import torch
 import transformers
 
 from gyre.algos import get_advantage_fn
-from gyre.config import ModelConfig, load_config
+from gyre.config import ModelConfig, TrainConfig, load_config
 from gyre.engines import TorchEngine
 from gyre.engines.factory import torch_engine_options
 from gyre.envs import ArithmeticEnv
@@ -68,7 +68,8 @@ from gyre.models.build import count_parameters, create_tiny_checkpoint, load_pre
 from gyre.rollout.episodes import demonstrate, run_episodes, stop_ids
 from gyre.trainer.batch import collate
 from gyre.trainer.scoring import ScoringOptions
-from gyre.trainer.sft import GRPOSettings, grpo_update, sft_step
+from gyre.trainer.sft import sft_step
+from gyre.trainer.update import policy_update
 from gyre.types import SamplingParams
 
 
@@ -146,13 +147,16 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     )
     # fused: the same AdamW kernel as TRL (transformers defaults to optim="adamw_torch_fused")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    settings = GRPOSettings(
-        clip_eps=0.2,
-        mini_batches=1,
-        micro_batch_size=args.prompts * args.group_size,
-        max_grad_norm=1.0,
-        loss_agg="seq-mean-token-mean",
-        scoring=ScoringOptions.from_perf(perf),
+    # one optimizer step per batch with the engine's log-probs as the old policy, as TRL does
+    settings = TrainConfig.model_validate(
+        {
+            "clip_eps": 0.2,
+            "mini_batches": 1,
+            "micro_batch_size": args.prompts * args.group_size,
+            "max_grad_norm": 1.0,
+            "loss_agg": "seq-mean-token-mean",
+            "algo": {"old_logprobs": "rollout"},
+        }
     )
     adv_fn = get_advantage_fn("grpo")
     stops = stop_ids(tok)
@@ -171,9 +175,8 @@ def run_gyre(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         )
         r = torch.tensor([t.reward for t in trajs])
         adv = adv_fn(r, torch.tensor([t.group_id for t in trajs]), eps=1e-6)
-        grpo_update(
-            model, opt, collate(trajs, tok.pad_token_id, torch.device("cpu")), adv, settings
-        )
+        batch = collate(trajs, tok.pad_token_id, torch.device("cpu"))
+        policy_update(model, opt, batch, adv, settings, scoring=ScoringOptions.from_perf(perf))
         if shared:
             engine.weights_changed(version=step + 1)
         else:

@@ -9,7 +9,24 @@ from pathlib import Path
 
 import torch
 
+from gyre.config import AlgoConfig, SamplingConfig, TrainConfig
 from gyre.types import Completion, GenerationRequest, SamplingParams
+
+
+def train_cfg(**overrides: object) -> TrainConfig:
+    """A validated ``TrainConfig`` from flat keys: ``train.*`` fields by name, ``train.algo.*``
+    fields by name (``old_logprobs=...``), ``train.sampling.*`` ones (``temperature=...``).
+    Everything not passed keeps the config default (``mini_batches=4``,
+    ``loss_agg='seq-mean-token-mean'``, ``old_logprobs='auto'``, ...)."""
+    data: dict[str, dict[str, object]] = {"algo": {}, "sampling": {}}
+    for key, value in overrides.items():
+        if key in AlgoConfig.model_fields:
+            data["algo"][key] = value
+        elif key in SamplingConfig.model_fields:
+            data["sampling"][key] = value
+        else:
+            data[key] = value  # type: ignore[assignment]
+    return TrainConfig.model_validate(data)
 
 
 @dataclass
@@ -120,7 +137,7 @@ def dp_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> N
     from gyre.models.build import load_pretrained
     from gyre.trainer.batch import collate
     from gyre.trainer.distributed import TorchCollective
-    from gyre.trainer.update import GRPOSettings, policy_update
+    from gyre.trainer.update import policy_update
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -133,7 +150,8 @@ def dp_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> N
         sl = slice(rank * rows, (rank + 1) * rows)
         comm.broadcast_parameters(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        settings = GRPOSettings(micro_batch_size=1 + rank, loss_agg=agg, max_grad_norm=1e9)
+        settings = train_cfg(micro_batch_size=1 + rank, loss_agg=agg, max_grad_norm=1e9,
+                             mini_batches=1, old_logprobs="rollout")  # fmt: skip
         batch = collate(trajs[sl], 0, torch.device("cpu"))
         policy_update(model, opt, batch, adv[sl], settings, reduce_counts=comm.reduce_counts,
                       sync_grads=comm.sync_gradients)  # fmt: skip
@@ -152,7 +170,7 @@ def fsdp2_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -
     from gyre.models.build import load_pretrained
     from gyre.trainer.batch import collate
     from gyre.trainer.distributed import FSDPCollective, shard_fsdp2
-    from gyre.trainer.update import GRPOSettings, policy_update
+    from gyre.trainer.update import policy_update
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -166,7 +184,8 @@ def fsdp2_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -
         model = shard_fsdp2(model)
         comm = FSDPCollective()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        settings = GRPOSettings(micro_batch_size=2, loss_agg=agg, max_grad_norm=1e9)
+        settings = train_cfg(micro_batch_size=2, loss_agg=agg, max_grad_norm=1e9,
+                             mini_batches=1, old_logprobs="rollout")  # fmt: skip
         losses = []
         for _ in range(2):
             batch = collate(trajs[sl], 0, torch.device("cpu"))

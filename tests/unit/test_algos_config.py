@@ -3,25 +3,45 @@ registry name is accepted, bad names stop with an error naming the key."""
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 
 import pytest
 
-from gyre.algos import ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES
+from gyre.algos import ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES, LossParams
 from gyre.config import AlgoConfig, ConfigError, TrainConfig, load_config
-from gyre.trainer.update import GRPOSettings, settings_from_config
+from gyre.trainer.loss import loss_params
+from gyre.trainer.update import resolve_old_logprobs
 
 
 def test_defaults_are_the_original_grpo_update():
+    t = load_config().train
+    a = t.algo
+    got = {
+        "clip_eps": t.clip_eps, "kl_coef": t.kl_coef, "mini_batches": t.mini_batches,
+        "micro_batch_size": t.micro_batch_size, "max_grad_norm": t.max_grad_norm,
+        "temperature": t.sampling.temperature, "top_p": t.sampling.top_p,
+        "loss_agg": t.loss_agg, "policy_loss": a.policy_loss, "kl_type": a.kl_type,
+        "kl_in": a.kl_in, "entropy_coef": a.entropy_coef, "ppo_epochs": a.ppo_epochs,
+        "mini_batch_size": a.mini_batch_size, "loss_norm_len": a.loss_norm_len,
+        "old_logprobs": a.old_logprobs, "skip_zero_advantage": a.skip_zero_advantage,
+        "rollout_is": a.rollout_is, "rollout_is_level": a.rollout_is_level,
+        "rollout_is_threshold": a.rollout_is_threshold,
+        "rollout_is_threshold_lower": a.rollout_is_threshold_lower,
+        "vf_coef": a.vf_coef, "value_clip": a.value_clip,
+    }  # fmt: skip
+    assert got == {
+        "clip_eps": 0.2, "kl_coef": 0.0, "mini_batches": 4, "micro_batch_size": 64,
+        "max_grad_norm": 1.0, "temperature": 1.0, "top_p": 1.0,
+        "loss_agg": "seq-mean-token-mean", "policy_loss": "ppo_clip", "kl_type": "k3",
+        "kl_in": "loss", "entropy_coef": 0.0, "ppo_epochs": 1, "mini_batch_size": 0,
+        "loss_norm_len": 0, "old_logprobs": "auto", "skip_zero_advantage": False,
+        "rollout_is": "none", "rollout_is_level": "token", "rollout_is_threshold": 2.0,
+        "rollout_is_threshold_lower": 0.0, "vf_coef": 0.5, "value_clip": 0.2,
+    }  # fmt: skip
+    # PPO-clip 0.2 symmetric, no dual clip; 4 mini-batches -> the trainer recomputes old logprobs
+    assert loss_params(t) == LossParams(0.2, None, None)
+    assert resolve_old_logprobs(t, 128) == "recompute"
     cfg = load_config()
-    s = settings_from_config(cfg.train, cfg.perf)
-    legacy = GRPOSettings(
-        clip_eps=0.2, kl_coef=0.0, mini_batches=4, micro_batch_size=64,
-        loss_agg="seq-mean-token-mean", old_logprobs="auto",
-    )  # fmt: skip
-    assert dataclasses.asdict(s) == dataclasses.asdict(legacy)
-    assert s.policy_loss == "ppo_clip" and s.clip_eps_high is None and s.dual_clip is None
     assert cfg.train.algo.advantage == "grpo" and not cfg.train.dapo.dynamic_sampling
 
 
@@ -34,7 +54,7 @@ def test_config_literals_match_registries():
     )
 
 
-def test_overrides_reach_the_settings():
+def test_overrides_reach_the_update_config():
     cfg = load_config(
         None,
         [
@@ -51,12 +71,13 @@ def test_overrides_reach_the_settings():
             "train.dapo.dynamic_sampling=true",
         ],
     )
-    s = settings_from_config(cfg.train, cfg.perf)
-    assert (s.policy_loss, s.clip_eps_high, s.dual_clip, s.kl_type, s.kl_in) == (
+    a = cfg.train.algo
+    assert (a.policy_loss, a.clip_eps_high, a.dual_clip, a.kl_type, a.kl_in) == (
         "gspo", 0.28, 3.0, "k2", "reward",
     )  # fmt: skip
-    assert (s.ppo_epochs, s.mini_batch_size, s.rollout_is) == (2, 16, "mask")
-    assert s.loss_agg == "seq-mean-token-sum-norm" and cfg.train.dapo.dynamic_sampling
+    assert loss_params(cfg.train) == LossParams(0.2, 0.28, 3.0)
+    assert (a.ppo_epochs, a.mini_batch_size, a.rollout_is) == (2, 16, "mask")
+    assert cfg.train.loss_agg == "seq-mean-token-sum-norm" and cfg.train.dapo.dynamic_sampling
 
 
 @pytest.mark.parametrize(

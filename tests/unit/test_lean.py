@@ -24,8 +24,9 @@ from gyre.engines import TorchEngine
 from gyre.models.lean import LeanForward, _append_kv, lean_for, unsupported_reason
 from gyre.trainer.batch import collate, token_logprobs
 from gyre.trainer.scoring import ScoringOptions, pack_rows, plan_tree, tree_pack
-from gyre.trainer.sft import GRPOSettings, grpo_update
+from gyre.trainer.update import policy_update
 from gyre.types import GenerationRequest, SamplingParams, Trajectory
+from helpers import train_cfg
 
 CPU = torch.device("cpu")
 PLAIN = ScoringOptions(pack=False, chunk=0, lean=False, share_prefix=False)
@@ -223,12 +224,19 @@ def test_lean_update_gradients_equal_plain(make_tiny_model, name):
     ):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        m = grpo_update(
+        m = policy_update(
             model,
             opt,
             collate(trajs, 0, CPU),
             adv,
-            GRPOSettings(micro_batch_size=64, max_grad_norm=1e9, scoring=scoring),
+            train_cfg(
+                micro_batch_size=64,
+                max_grad_norm=1e9,
+                mini_batches=1,
+                loss_agg="token-mean",
+                old_logprobs="rollout",
+            ),
+            scoring=scoring,
         )
         results[label] = (m, [p.grad.detach().clone() for p in model.parameters()])
     (mp, gp), (mf, gf) = results["plain"], results["fast"]

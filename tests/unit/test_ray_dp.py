@@ -11,8 +11,8 @@ import torch
 
 from gyre.algos import LOSS_AGGREGATIONS
 from gyre.trainer.batch import collate
-from gyre.trainer.update import GRPOSettings, policy_update
-from helpers import dp_batch, dp_rank, spawn_two_ranks
+from gyre.trainer.update import policy_update
+from helpers import dp_batch, dp_rank, spawn_two_ranks, train_cfg
 
 
 def test_two_gloo_ranks_equal_one_process(tmp_path, make_tiny_model, tokenizer):
@@ -26,7 +26,13 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, make_tiny_model, tokenizer):
         before = {k: v.clone() for k, v in ref.state_dict().items()}
         trajs, adv = dp_batch(ref)
         opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-        settings = GRPOSettings(micro_batch_size=3, loss_agg=agg, max_grad_norm=1e9)
+        settings = train_cfg(
+            micro_batch_size=3,
+            loss_agg=agg,
+            max_grad_norm=1e9,
+            mini_batches=1,
+            old_logprobs="rollout",
+        )
         policy_update(ref, opt, collate(trajs, 0, torch.device("cpu")), adv, settings)
         moved = max((ref.state_dict()[k] - before[k]).abs().max().item() for k in before)
         assert moved > 1e-3  # the step did something

@@ -92,8 +92,10 @@ def test_stop_guard_flags_and_restores():
 
 def test_nonfinite_update_is_skipped(make_tiny_model):
     from gyre.trainer.batch import collate
-    from gyre.trainer.sft import GRPOSettings, grpo_update, sft_step
+    from gyre.trainer.sft import sft_step
+    from gyre.trainer.update import policy_update
     from gyre.types import Trajectory
+    from helpers import train_cfg
 
     model = make_tiny_model(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -102,12 +104,13 @@ def test_nonfinite_update_is_skipped(make_tiny_model):
         for r in (0.0, 1.0)
     ]
     batch = collate(trajs, 0, torch.device("cpu"))
+    cfg = train_cfg(mini_batches=1, loss_agg="token-mean", old_logprobs="rollout")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    m = grpo_update(model, opt, batch, torch.tensor([float("nan"), 1.0]), GRPOSettings())
+    m = policy_update(model, opt, batch, torch.tensor([float("nan"), 1.0]), cfg)
     assert m["train/nonfinite_skipped"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state  # AdamW moments untouched
-    m = grpo_update(model, opt, batch, torch.tensor([-1.0, 1.0]), GRPOSettings())
+    m = policy_update(model, opt, batch, torch.tensor([-1.0, 1.0]), cfg)
     assert m["train/nonfinite_skipped"] == 0.0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     with torch.no_grad():

@@ -9,8 +9,9 @@ import torch
 
 from gyre.trainer.batch import collate, token_logprobs
 from gyre.trainer.scoring import PACK_MIN_SAVING, ScoringOptions, pack_rows
-from gyre.trainer.sft import GRPOSettings, grpo_update
+from gyre.trainer.update import policy_update
 from gyre.types import Trajectory
+from helpers import train_cfg
 
 CPU = torch.device("cpu")
 PLAIN = ScoringOptions(pack=False, chunk=0)
@@ -71,12 +72,19 @@ def test_packed_chunked_update_equals_plain(make_tiny_model, micro):
     for name, scoring in (("plain", PLAIN), ("fast", ScoringOptions(pack=True, chunk=4))):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        m = grpo_update(
+        m = policy_update(
             model,
             opt,
             collate(trajs, 0, CPU),
             adv,
-            GRPOSettings(micro_batch_size=micro, max_grad_norm=1e9, scoring=scoring),
+            train_cfg(
+                micro_batch_size=micro,
+                max_grad_norm=1e9,
+                mini_batches=1,
+                loss_agg="token-mean",
+                old_logprobs="rollout",
+            ),
+            scoring=scoring,
         )
         grads = [p.grad.detach().clone() for p in model.parameters()]
         results[name] = (m, grads)
@@ -118,25 +126,23 @@ def test_perf_defaults_are_the_previous_scoring_defaults():
     """The ``perf:`` defaults are the paths the trainer took before the section existed (packing,
     1024-position chunks, lean forward, tree packing, trimming), also via the update settings."""
     from gyre.config import load_config
-    from gyre.trainer.update import settings_from_config
 
     cfg = load_config()
     old = ScoringOptions(pack=True, chunk=1024, lean=True, share_prefix=True, trim=True)
     assert ScoringOptions.from_perf(cfg.perf) == old == ScoringOptions()
-    assert settings_from_config(cfg.train, cfg.perf).scoring == old
-    assert GRPOSettings().scoring == old
 
 
 def _update_with(cfg_overrides: list[str], model: torch.nn.Module, trajs: list[Trajectory]):
     """One GRPO update with the settings the loop builds from a config with ``cfg_overrides``."""
     from gyre.config import load_config
-    from gyre.trainer.update import policy_update, settings_from_config
+    from gyre.trainer.update import policy_update
 
     cfg = load_config(None, ["train.mini_batches=1", *cfg_overrides])
-    settings = settings_from_config(cfg.train, cfg.perf)
+    scoring = ScoringOptions.from_perf(cfg.perf)  # what Trainer.update passes
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     adv = torch.linspace(-1.0, 1.0, len(trajs))
-    return settings, policy_update(model, opt, collate(trajs, 0, CPU), adv, settings)
+    batch = collate(trajs, 0, CPU)
+    return scoring, policy_update(model, opt, batch, adv, cfg.train, scoring=scoring)
 
 
 def test_perf_keys_reach_the_trainer_scoring(monkeypatch, make_tiny_model):
@@ -177,7 +183,7 @@ def test_perf_keys_reach_the_trainer_scoring(monkeypatch, make_tiny_model):
     assert seen["no_pack"]["pack"] == 0 and seen["no_pack"]["fast"] > 0  # padded + chunked
     assert seen["plain"] == {"pack": 0, "fast": 0, "lean": 0}  # the plain full-logits path
     assert seen["hf"]["lean"] == 0 and seen["hf"]["pack"] > 0  # packed through the HF decoder
-    assert settings.scoring.lean is False
+    assert settings.lean is False
 
 
 def test_perf_share_prefix_reaches_the_trainer_scoring(monkeypatch, make_tiny_model):

@@ -10,8 +10,9 @@ import torch
 
 from gyre.algos import LOSS_AGGREGATIONS, POLICY_LOSSES
 from gyre.trainer.batch import collate
-from gyre.trainer.update import GRPOSettings, policy_update, prepare_batch
+from gyre.trainer.update import can_skip_rows, policy_update, prepare_batch
 from gyre.types import Trajectory
+from helpers import train_cfg
 
 CPU = torch.device("cpu")
 
@@ -72,8 +73,8 @@ def test_same_update_with_and_without_skipping(make_tiny_model, tokenizer, loss_
         old_logprobs="recompute", rollout_is="truncate", max_grad_norm=1e9,
         clip_eps=0.2 if loss != "gspo" else 0.02,
     )  # fmt: skip
-    full, m_full = _update(base, trajs, pad, GRPOSettings(**kw), [adv])
-    fast, m_fast = _update(base, trajs, pad, GRPOSettings(**kw, skip_zero_advantage=True), [adv])
+    full, m_full = _update(base, trajs, pad, train_cfg(**kw), [adv])
+    fast, m_fast = _update(base, trajs, pad, train_cfg(**kw, skip_zero_advantage=True), [adv])
     _close(full, fast)
     assert _moved(full, base, 1e-4)
     assert m_fast["train/loss"] == pytest.approx(m_full["train/loss"], abs=1e-6)
@@ -92,15 +93,15 @@ def test_per_token_advantages_and_an_all_zero_step(make_tiny_model, tokenizer):
     T = max(len(t.token_ids) for t in trajs)
     first = torch.randn(len(trajs), T, generator=torch.Generator().manual_seed(2))
     first[4:8] = 0.0
-    kw = dict(mini_batches=1, old_logprobs="auto", max_grad_norm=1e9)
+    kw = dict(mini_batches=1, old_logprobs="auto", max_grad_norm=1e9, loss_agg="token-mean")
     advs = [first, torch.zeros(len(trajs))]
     for steps in (1, 2):
-        full, _ = _update(base, trajs, pad, GRPOSettings(**kw), advs, steps)
-        skip = GRPOSettings(**kw, skip_zero_advantage=True)
+        full, _ = _update(base, trajs, pad, train_cfg(**kw), advs, steps)
+        skip = train_cfg(**kw, skip_zero_advantage=True)
         fast, m = _update(base, trajs, pad, skip, advs, steps)
         _close(full, fast)
         assert m["train/skipped_rows"] == (4.0 if steps == 1 else 12.0)
-    one, _ = _update(base, trajs, pad, GRPOSettings(**kw), advs, 1)
+    one, _ = _update(base, trajs, pad, train_cfg(**kw), advs, 1)
     assert _moved(one, full, 1e-5)  # the all-zero step did move the weights
 
 
@@ -108,22 +109,40 @@ def test_old_logprobs_are_recomputed_only_for_trained_rows(make_tiny_model, toke
     base = make_tiny_model(seed=2, sharp=True)
     pad = tokenizer.pad_token_id
     trajs = _trajs(pad, seed=2)
-    s = GRPOSettings(mini_batches=2, old_logprobs="recompute", skip_zero_advantage=True)
+    s = train_cfg(mini_batches=2, old_logprobs="recompute", skip_zero_advantage=True)
     batch = collate(trajs, pad, CPU)
     assert prepare_batch(base, batch, s) == {} and "old_logprobs" not in batch.extras  # deferred
     rows = torch.tensor([i % 3 == 0 for i in range(len(trajs))])
     prepare_batch(base, batch, s, rows=rows)
     whole = collate(trajs, pad, CPU)
-    prepare_batch(base, whole, GRPOSettings(mini_batches=2, old_logprobs="recompute"))
+    prepare_batch(base, whole, train_cfg(mini_batches=2, old_logprobs="recompute"))
     old, ref = batch.extras["old_logprobs"], whole.extras["old_logprobs"]
     torch.testing.assert_close(old[rows], ref[rows], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(old[~rows], (batch.rollout_logprobs * batch.loss_mask)[~rows])
 
 
 def test_not_applied_when_a_term_does_not_scale_with_the_advantage():
-    s = GRPOSettings(skip_zero_advantage=True)
-    assert s.can_skip_rows(False, None)
-    assert not s.can_skip_rows(True, None)  # KL in the loss
-    assert not GRPOSettings(skip_zero_advantage=True, entropy_coef=0.01).can_skip_rows(False, None)
-    assert not s.can_skip_rows(False, object())  # a value model
-    assert not GRPOSettings().can_skip_rows(False, None)
+    s = train_cfg(skip_zero_advantage=True)
+    assert can_skip_rows(s, False, None)
+    assert not can_skip_rows(s, True, None)  # KL in the loss
+    assert not can_skip_rows(train_cfg(skip_zero_advantage=True, entropy_coef=0.01), False, None)
+    assert not can_skip_rows(s, False, object())  # a value model
+    assert not can_skip_rows(train_cfg(), False, None)
+
+
+def test_setting_on_but_not_applicable_still_recomputes_old_logprobs(make_tiny_model, tokenizer):
+    """An entropy bonus turns skipping off; the deferred old-logprob recompute must still happen
+    (it once fell back to the engine's log-probs), so the update equals the one without the
+    setting, bit for bit (no row is skipped)."""
+    base = make_tiny_model(seed=3, sharp=True)
+    pad = tokenizer.pad_token_id
+    trajs = _trajs(pad, seed=3)
+    adv = torch.randn(len(trajs), generator=torch.Generator().manual_seed(4))
+    adv[:4] = 0.0
+    kw = dict(mini_batches=2, old_logprobs="recompute", entropy_coef=0.01, max_grad_norm=1e9)
+    plain, m_plain = _update(base, trajs, pad, train_cfg(**kw), [adv])
+    on, m_on = _update(base, trajs, pad, train_cfg(**kw, skip_zero_advantage=True), [adv])
+    assert "train/skipped_rows" not in m_on
+    assert m_on["train/rollout_logprob_gap"] == m_plain["train/rollout_logprob_gap"] > 0.1
+    for x, y in zip(plain.parameters(), on.parameters(), strict=True):
+        assert torch.equal(x, y)

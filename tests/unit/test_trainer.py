@@ -7,9 +7,12 @@ import copy
 import pytest
 import torch
 
+from gyre.algos import agg_weights
 from gyre.trainer.batch import collate, token_logprobs
-from gyre.trainer.sft import GRPOSettings, grpo_update, sft_step, token_weights
+from gyre.trainer.sft import sft_step
+from gyre.trainer.update import policy_update
 from gyre.types import Trajectory
+from helpers import train_cfg
 
 CPU = torch.device("cpu")
 
@@ -80,15 +83,16 @@ def test_grad_accumulation_invariance(make_tiny_model, tokenizer, mini_batches, 
     for micro in (64, 2, 1):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        settings = GRPOSettings(
+        settings = train_cfg(
             clip_eps=0.2,
             mini_batches=mini_batches,
             micro_batch_size=micro,
             max_grad_norm=1e9,
             loss_agg=loss_agg,
+            old_logprobs="rollout",
         )
         batch = collate(trajs, tokenizer.pad_token_id, CPU)
-        metrics = grpo_update(
+        metrics = policy_update(
             model, opt, batch, adv, settings, generator=torch.Generator().manual_seed(7)
         )
         results.append((_params(model), metrics))
@@ -113,9 +117,11 @@ def test_grad_accumulation_with_adamw(make_tiny_model, tokenizer):
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         batch = collate(trajs, tokenizer.pad_token_id, CPU)
-        settings = GRPOSettings(micro_batch_size=micro)
-        grpo_update(model, opt, batch, adv, settings)
-        grpo_update(model, opt, batch, adv, settings)
+        settings = train_cfg(
+            micro_batch_size=micro, mini_batches=1, loss_agg="token-mean", old_logprobs="rollout"
+        )
+        policy_update(model, opt, batch, adv, settings)
+        policy_update(model, opt, batch, adv, settings)
         out.append(_params(model))
     for a, b in zip(*out, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -131,8 +137,14 @@ def test_on_policy_loss_is_minus_token_mean_advantage(make_tiny_model, tokenizer
     model = copy.deepcopy(base)
     ref = copy.deepcopy(base)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    settings = GRPOSettings(micro_batch_size=4, kl_coef=0.1)
-    m = grpo_update(
+    settings = train_cfg(
+        micro_batch_size=4,
+        kl_coef=0.1,
+        mini_batches=1,
+        loss_agg="token-mean",
+        old_logprobs="rollout",
+    )
+    m = policy_update(
         model, opt, collate(trajs, tokenizer.pad_token_id, CPU), adv, settings, ref_model=ref
     )
     assert m["train/loss"] == pytest.approx(float(expected), abs=1e-4)
@@ -159,14 +171,14 @@ def test_sft_step_accumulation_invariance(make_tiny_model, tokenizer):
     assert out[0][1]["sft/loss"] == pytest.approx(torch.log(torch.tensor(100.0)).item(), abs=0.3)
 
 
-def test_token_weights_hand_values():
+def test_agg_weights_hand_values():
     mask = torch.tensor([[0.0, 1, 1, 1, 1], [0.0, 1, 1, 0, 0]])
-    tm = token_weights(mask, "token-mean")
+    tm = agg_weights(mask, "token-mean")
     torch.testing.assert_close(tm, mask / 6)
-    sm = token_weights(mask, "seq-mean-token-mean")
+    sm = agg_weights(mask, "seq-mean-token-mean")
     # row 0: 4 tokens -> 1/(4*2) each; row 1: 2 tokens -> 1/(2*2) each; each row sums to 1/2
     torch.testing.assert_close(sm[0], torch.tensor([0.0, 0.125, 0.125, 0.125, 0.125]))
     torch.testing.assert_close(sm[1], torch.tensor([0.0, 0.25, 0.25, 0.0, 0.0]))
     assert sm.sum().item() == pytest.approx(1.0) and tm.sum().item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
-        token_weights(mask, "token-sum")
+        agg_weights(mask, "token-sum")

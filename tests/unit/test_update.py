@@ -13,8 +13,14 @@ import torch
 from gyre.algos import LOSS_AGGREGATIONS, POLICY_LOSSES
 from gyre.trainer.batch import collate, token_logprobs
 from gyre.trainer.critic import ValueModel
-from gyre.trainer.update import GRPOSettings, batch_advantages, policy_update, prepare_batch
+from gyre.trainer.update import (
+    batch_advantages,
+    policy_update,
+    prepare_batch,
+    resolve_old_logprobs,
+)
 from gyre.types import Trajectory
+from helpers import train_cfg
 
 CPU = torch.device("cpu")
 
@@ -76,7 +82,7 @@ def test_accumulation_invariance_every_mode(make_tiny_model, tokenizer, loss_agg
     start = _params(base)
     results = []
     for micro in (64, 2, 1):
-        s = GRPOSettings(
+        s = train_cfg(
             clip_eps=0.1 if loss != "gspo" else 0.02,
             mini_batches=2,
             ppo_epochs=2,
@@ -106,7 +112,7 @@ def test_per_token_advantage_equal_to_per_sequence(make_tiny_model, tokenizer):
     trajs = _synthetic(base, pad, seed=2)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     T = max(len(t.token_ids) for t in trajs)
-    s = GRPOSettings(mini_batches=2, max_grad_norm=1e9)
+    s = train_cfg(mini_batches=2, max_grad_norm=1e9, loss_agg="token-mean", old_logprobs="rollout")
     a, ma, _ = _run(base, trajs, pad, s, adv)
     b, mb, _ = _run(base, trajs, pad, s, adv.unsqueeze(-1).expand(-1, T).contiguous())
     assert _max_diff(_params(a), _params(b)) < 1e-6
@@ -118,16 +124,17 @@ def test_old_logprob_modes(make_tiny_model, tokenizer):
     pad = tokenizer.pad_token_id
     trajs = _synthetic(base, pad, seed=3, noise=0.3)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    one = GRPOSettings(mini_batches=1, old_logprobs="auto")
-    assert one.resolve_old_logprobs(6) == "current"
-    two = GRPOSettings(mini_batches=2, old_logprobs="auto")
-    assert two.resolve_old_logprobs(6) == "recompute"
-    assert GRPOSettings(mini_batch_size=2, old_logprobs="auto").resolve_old_logprobs(6) == (
-        "recompute"
-    )
-    assert GRPOSettings(ppo_epochs=2, old_logprobs="auto").resolve_old_logprobs(6) == "recompute"
+    one = train_cfg(mini_batches=1, old_logprobs="auto")
+    assert resolve_old_logprobs(one, 6) == "current"
+    two = train_cfg(mini_batches=2, old_logprobs="auto")
+    assert resolve_old_logprobs(two, 6) == "recompute"
+    by_rows = train_cfg(mini_batches=1, mini_batch_size=2, old_logprobs="auto")
+    assert resolve_old_logprobs(by_rows, 6) == "recompute"
+    epochs = train_cfg(mini_batches=1, ppo_epochs=2, old_logprobs="auto")
+    assert resolve_old_logprobs(epochs, 6) == "recompute"
+    assert resolve_old_logprobs(train_cfg(old_logprobs="auto"), 6) == "recompute"  # 4 minis
     with pytest.raises(ValueError, match="exactly one optimizer step"):
-        GRPOSettings(mini_batches=2, old_logprobs="current").resolve_old_logprobs(6)
+        resolve_old_logprobs(train_cfg(mini_batches=2, old_logprobs="current"), 6)
 
     # recompute scores the batch with the trainer: the gap to the engine's logprobs is logged
     batch = collate(trajs, pad, CPU)
@@ -142,13 +149,13 @@ def test_old_logprob_modes(make_tiny_model, tokenizer):
     # with one update per batch, skipping the recompute ("current") is exactly the same update
     same = []
     for mode in ("current", "recompute"):
-        s = GRPOSettings(mini_batches=1, old_logprobs=mode, max_grad_norm=1e9)
+        s = train_cfg(mini_batches=1, old_logprobs=mode, max_grad_norm=1e9, loss_agg="token-mean")
         model, m, _ = _run(base, trajs, pad, s, adv)
         assert m["train/clipfrac"] == 0.0 and m["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
         same.append(_params(model))
     assert _max_diff(*same) < 1e-7
     # the engine's logprobs as old policy ("rollout") clip on the sampler noise instead
-    s = GRPOSettings(mini_batches=1, old_logprobs="rollout", max_grad_norm=1e9)
+    s = train_cfg(mini_batches=1, old_logprobs="rollout", max_grad_norm=1e9, loss_agg="token-mean")
     _, m, _ = _run(base, trajs, pad, s, adv)
     assert m["train/clipfrac"] > 0
 
@@ -158,9 +165,10 @@ def test_recompute_makes_second_mini_batch_see_only_policy_drift(make_tiny_model
     pad = tokenizer.pad_token_id
     trajs = _synthetic(base, pad, seed=4, noise=0.5)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    s = GRPOSettings(mini_batches=2, old_logprobs="recompute", max_grad_norm=1e9)
+    kw = dict(mini_batches=2, max_grad_norm=1e9, loss_agg="token-mean")
+    s = train_cfg(old_logprobs="recompute", **kw)
     _, m_re, _ = _run(base, trajs, pad, s, adv, lr=1e-4)
-    s = GRPOSettings(mini_batches=2, old_logprobs="rollout", max_grad_norm=1e9)
+    s = train_cfg(old_logprobs="rollout", **kw)
     _, m_ro, _ = _run(base, trajs, pad, s, adv, lr=1e-4)
     assert m_re["train/clipfrac"] == 0.0  # a tiny step never leaves the clip range
     assert m_ro["train/clipfrac"] > 0.1  # the engine noise alone trips the clip
@@ -171,19 +179,19 @@ def test_rollout_is_modes(make_tiny_model, tokenizer):
     pad = tokenizer.pad_token_id
     trajs = _synthetic(base, pad, seed=5, noise=0.3)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    kw = dict(mini_batches=1, old_logprobs="current", max_grad_norm=1e9)
-    none, _, _ = _run(base, trajs, pad, GRPOSettings(**kw), adv)
+    kw = dict(mini_batches=1, old_logprobs="current", max_grad_norm=1e9, loss_agg="token-mean")
+    none, _, _ = _run(base, trajs, pad, train_cfg(**kw), adv)
     big, m, _ = _run(
-        base, trajs, pad, GRPOSettings(rollout_is="truncate", rollout_is_threshold=1e6, **kw), adv
+        base, trajs, pad, train_cfg(rollout_is="truncate", rollout_is_threshold=1e6, **kw), adv
     )
     assert _max_diff(_params(none), _params(big)) > 1e-4  # weights != 1 change the update
     assert m["train/is_affected_frac"] == 0.0 and m["train/is_weight"] > 0
     _, m, _ = _run(
-        base, trajs, pad, GRPOSettings(rollout_is="truncate", rollout_is_threshold=1.01, **kw), adv
+        base, trajs, pad, train_cfg(rollout_is="truncate", rollout_is_threshold=1.01, **kw), adv
     )
     assert 0 < m["train/is_affected_frac"] < 1 and m["train/is_weight"] < 1.01
     # masked IS with a window no token fits: no policy gradient at all
-    s = GRPOSettings(
+    s = train_cfg(
         rollout_is="mask", rollout_is_threshold=1.0001, rollout_is_threshold_lower=0.9999, **kw
     )
     masked, m, _ = _run(base, trajs, pad, s, adv)
@@ -198,13 +206,21 @@ def test_kl_in_loss_and_in_reward(make_tiny_model, tokenizer):
     trajs = _synthetic(base, pad, seed=6, noise=0.0)
     zero = torch.zeros(len(trajs))
     for kl_type in ("k1", "k2", "k3"):
-        s = GRPOSettings(kl_coef=0.1, kl_type=kl_type, old_logprobs="current")
+        s = train_cfg(
+            kl_coef=0.1,
+            kl_type=kl_type,
+            old_logprobs="current",
+            mini_batches=1,
+            loss_agg="token-mean",
+        )
         moved, m, _ = _run(base, trajs, pad, s, zero, ref=ref)
         assert m["train/kl"] != 0.0
         assert _max_diff(_params(moved), _params(base)) > 0  # only the KL term moves it
     # in the reward: an outcome estimator sees r - beta * sum_t KL_t
     batch = collate(trajs, pad, CPU)
-    s = GRPOSettings(kl_coef=0.5, kl_type="k1", kl_in="reward", old_logprobs="recompute")
+    s = train_cfg(
+        kl_coef=0.5, kl_type="k1", kl_in="reward", old_logprobs="recompute", mini_batches=1
+    )
     prepare_batch(base, batch, s, ref)
     rewards = torch.tensor([t.reward for t in trajs])
     groups = torch.tensor([t.group_id for t in trajs])
@@ -217,7 +233,7 @@ def test_kl_in_loss_and_in_reward(make_tiny_model, tokenizer):
     # and a token estimator sees -beta * KL_t per token
     adv_t, _ = batch_advantages("reinforce_pp", rewards, groups, batch, s)
     assert adv_t.shape == batch.loss_mask.shape
-    plain = GRPOSettings(old_logprobs="recompute")
+    plain = train_cfg(old_logprobs="recompute", mini_batches=1)
     adv_0, _ = batch_advantages("reinforce_pp", rewards, groups, batch, plain)
     assert (adv_t - adv_0).abs().max() > 1e-3
 
@@ -227,12 +243,13 @@ def test_entropy_bonus_raises_entropy(make_tiny_model, tokenizer):
     pad = tokenizer.pad_token_id
     trajs = _synthetic(base, pad, seed=8, noise=0.0)
     zero = torch.zeros(len(trajs))
-    s = GRPOSettings(entropy_coef=1.0, old_logprobs="current", max_grad_norm=1e9)
+    kw = dict(old_logprobs="current", max_grad_norm=1e9, mini_batches=1, loss_agg="token-mean")
+    s = train_cfg(entropy_coef=1.0, **kw)
     model, m0, _ = _run(base, trajs, pad, s, zero, lr=0.05)
     _, m1, _ = _run(model, trajs, pad, s, zero, lr=0.05)
     assert m1["train/entropy"] > m0["train/entropy"] + 1e-3
     # coefficient 0: advantages 0 give no gradient at all
-    s0 = GRPOSettings(entropy_coef=0.0, old_logprobs="current", max_grad_norm=1e9)
+    s0 = train_cfg(entropy_coef=0.0, **kw)
     still, _, _ = _run(base, trajs, pad, s0, zero, lr=0.05)
     assert _max_diff(_params(still), _params(base)) == 0.0
 
@@ -247,7 +264,13 @@ def test_gae_value_model_learns(make_tiny_model, tokenizer, mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.0 if mode == "critic" else 1e-3)
     rewards = torch.tensor([t.reward for t in trajs])
     groups = torch.tensor([t.group_id for t in trajs])
-    s = GRPOSettings(mini_batches=2, old_logprobs="recompute", vf_coef=1.0, value_clip=10.0)
+    s = train_cfg(
+        mini_batches=2,
+        old_logprobs="recompute",
+        vf_coef=1.0,
+        value_clip=10.0,
+        loss_agg="token-mean",
+    )
     losses = []
     for _ in range(6):
         batch = collate(trajs, pad, CPU)
@@ -273,7 +296,8 @@ def test_gae_needs_value_targets(make_tiny_model, tokenizer):
     batch = collate(trajs, tokenizer.pad_token_id, CPU)
     opt = torch.optim.SGD(base.parameters(), lr=0.0)
     with pytest.raises(ValueError, match="value targets"):
-        policy_update(base, opt, batch, torch.zeros(6), GRPOSettings(), value_model=vm)
+        s = train_cfg(mini_batches=1, old_logprobs="rollout", loss_agg="token-mean")
+        policy_update(base, opt, batch, torch.zeros(6), s, value_model=vm)
     with pytest.raises(ValueError, match="valid: critic, head"):
         ValueModel(base, "shared")  # type: ignore[arg-type]
 
@@ -291,7 +315,7 @@ def test_global_counts_from_ranks(make_tiny_model, tokenizer, loss_agg):
     for reduce in (None, lambda c: c + c):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        s = GRPOSettings(loss_agg=loss_agg, old_logprobs="current", max_grad_norm=1e9)
+        s = train_cfg(loss_agg=loss_agg, old_logprobs="current", max_grad_norm=1e9, mini_batches=1)
         policy_update(model, opt, collate(trajs, pad, CPU), adv, s, reduce_counts=reduce)
         deltas.append([p - q for p, q in zip(_params(model), start, strict=True)])
     for full, half in zip(*deltas, strict=True):

@@ -2,7 +2,8 @@
 
 Three axes kept apart: the advantage estimator (:mod:`.advantages`), the per-token policy loss
 (:mod:`.losses`) and the loss aggregation (:mod:`.aggregate`); plus KL estimators
-(:mod:`.losses`) and the rollout importance-sampling correction (:mod:`.correction`).
+(:mod:`.losses`) and the rollout importance-sampling correction (:mod:`.correction`). The
+policy update's loss is the sum of the named terms of :mod:`.terms`.
 """
 
 from gyre.algos.advantages import (
@@ -34,6 +35,14 @@ from gyre.algos.losses import (
     ppo_clip_loss,
     reinforce_loss,
 )
+from gyre.algos.terms import (
+    clipped_value_loss,
+    entropy_term,
+    kl_term,
+    policy_term,
+    rollout_is_term,
+    value_term,
+)
 
 __all__ = [
     "ADVANTAGES",
@@ -46,8 +55,10 @@ __all__ = [
     "agg_weights",
     "aggregate",
     "cispo_loss",
+    "clipped_value_loss",
     "compute_advantages",
     "dr_grpo_advantages",
+    "entropy_term",
     "gae_advantages",
     "get_advantage_fn",
     "get_kl_fn",
@@ -57,11 +68,15 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_term",
     "masked_token_sum",
+    "policy_term",
     "ppo_clip_loss",
     "reinforce_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "rollout_is_term",
     "rollout_is_weights",
+    "value_term",
 ]

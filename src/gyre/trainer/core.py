@@ -32,12 +32,8 @@ from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters,
 from gyre.trainer.batch import collate
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.overlong import apply_overlong
-from gyre.trainer.update import (
-    batch_advantages,
-    policy_update,
-    prepare_batch,
-    settings_from_config,
-)
+from gyre.trainer.scoring import ScoringOptions
+from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
 from gyre.types import Trajectory
 
 
@@ -116,14 +112,19 @@ class Trainer:
         cfg = self.cfg
         m = {} if metrics is None else metrics
         device = next(self.model.parameters()).device
-        algo, settings = cfg.train.algo, settings_from_config(cfg.train, cfg.perf)
+        algo, train = cfg.train.algo, cfg.train
+        scoring = ScoringOptions.from_perf(cfg.perf)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
         batch = collate(trajs, self.tokenizer.pad_token_id, device)
         shaped = apply_overlong(rewards, trajs, batch, cfg.train.dapo, cfg.train.sampling, m)
-        m.update(prepare_batch(self.model, batch, settings, self.ref_model, self.value_model))
+        m.update(
+            prepare_batch(
+                self.model, batch, train, self.ref_model, self.value_model, scoring=scoring
+            )
+        )
         adv, adv_m = batch_advantages(
-            algo.advantage, shaped, groups, batch, settings,
+            algo.advantage, shaped, groups, batch, train,
             eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
         )  # fmt: skip
         m.update(adv_m)
@@ -131,10 +132,11 @@ class Trainer:
         gen.manual_seed(cfg.run.seed * 100_003 + step)
         comm = self.comm
         upd = policy_update(
-            self.model, self.optimizer, batch, adv, settings, self.ref_model, gen,
+            self.model, self.optimizer, batch, adv, train, self.ref_model, gen,
             self.value_model,
             reduce_counts=comm.reduce_counts if comm is not None else None,
             sync_grads=self._sync_grads if comm is not None else None,
+            scoring=scoring,
         )  # fmt: skip
         m.update(upd)
         return m

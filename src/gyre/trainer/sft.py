@@ -1,52 +1,23 @@
-"""Optimizer steps: the RL policy update (in :mod:`gyre.trainer.update`) and SFT.
+"""Supervised fine-tuning: one cross-entropy optimizer step on the loss-masked tokens.
 
-Normalisation: per-token weights for the whole optimizer step are fixed before the micro-batch
-loop (:func:`token_weights`: 1 / step token count for ``token-mean``, 1 / (row length x rows) for
-``seq-mean-token-mean``, ...), never per micro-batch. So the gradient of one optimizer step is
-identical whatever the micro-batch size (tested).
+The RL policy update is :mod:`gyre.trainer.update`; the loss aggregation weights are
+:func:`gyre.algos.agg_weights`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gyre.algos import LOSS_AGGREGATIONS, agg_weights, masked_token_sum
+from gyre.algos import masked_token_sum
 from gyre.trainer.batch import TokenBatch, token_logprobs
 from gyre.trainer.scoring import ScoringOptions
-from gyre.trainer.update import GRPOSettings, finite_step, policy_update
+from gyre.trainer.update import finite_step
 
-__all__ = ["LOSS_AGGREGATIONS", "GRPOSettings", "grpo_update", "sft_step", "token_weights"]
-
-
-def token_weights(loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Weights that turn a per-token loss into the step's loss by a plain weighted sum.
-
-    - ``token-mean``: 1 / (loss tokens in the step) -- every token counts the same (DAPO).
-    - ``seq-mean-token-mean``: 1 / (tokens of the row * rows in the step) -- every sequence counts
-      the same (the original GRPO). With sparse episode rewards this keeps long failed episodes
-      from outweighing short successful ones: the advantages of a group sum to zero, and so do
-      their total weights.
-    - ``seq-mean-token-sum`` / ``seq-mean-token-sum-norm``: see :mod:`gyre.algos.aggregate`.
-    """
-    return agg_weights(loss_mask, mode)
+__all__ = ["sft_step"]
 
 
 def _micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def grpo_update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: TokenBatch,
-    advantages: torch.Tensor,
-    settings: GRPOSettings,
-    ref_model: torch.nn.Module | None = None,
-    generator: torch.Generator | None = None,
-) -> dict[str, float]:
-    """One rollout batch -> ``settings.mini_batches`` optimizer steps (see
-    :func:`gyre.trainer.update.policy_update`, which also takes a value model)."""
-    return policy_update(model, optimizer, batch, advantages, settings, ref_model, generator)
 
 
 PLAIN = ScoringOptions(pack=False, chunk=0)
