@@ -152,15 +152,20 @@ def test_continuous_switch_reaches_rollout_and_eval(tokenizer, make_tiny_model):
     assert engine.continuous_calls == 2
 
 
-def test_run_eval_passes_perf_continuous(tokenizer, make_tiny_model):
-    from gyre.loop import run_eval
+def test_rollout_evaluate_and_play_pass_perf_continuous(tokenizer, make_tiny_model):
+    from gyre.rollout import Rollout
 
     engine = _CountingEngine(make_tiny_model(seed=2), tokenizer.pad_token_id)
-    base = ["eval.episodes=2", "eval.sampled=false", "env.maze.size=5"]
-    run_eval(load_config(None, [*base, "perf.continuous=false"]), engine, tokenizer)
+    base = ["eval.episodes=2", "eval.sampled=false", "env.maze.size=5", "train.group_size=2"]
+    off = Rollout(load_config(None, [*base, "perf.continuous=false"]), engine, tokenizer)
+    off.evaluate()
+    off.play(0, 1, seed=3)
     assert engine.continuous_calls == 0
-    run_eval(load_config(None, base), engine, tokenizer)
+    on = Rollout(load_config(None, base), engine, tokenizer)
+    on.evaluate()
     assert engine.continuous_calls == 1
+    on.play(0, 1, seed=3)
+    assert engine.continuous_calls == 2
 
 
 def test_ray_rollout_worker_engine_takes_perf(tmp_path, tiny_cfg):
@@ -175,8 +180,9 @@ def test_ray_rollout_worker_engine_takes_perf(tmp_path, tiny_cfg):
         worker = RolloutWorker(cfg, str(path), 0)
     finally:
         torch.set_num_threads(threads)  # the worker sets its actor's thread count
-    assert worker.engine.lean_forward is False and worker.engine.prefix_sharing is False
-    assert worker.engine.compaction is True  # the default
+    engine = worker.rollout.engine
+    assert engine.lean_forward is False and engine.prefix_sharing is False
+    assert engine.compaction is True  # the default
 
 
 def test_no_numeric_env_switch_is_read(monkeypatch, tokenizer, make_tiny_model):
