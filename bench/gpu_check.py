@@ -63,7 +63,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 
 import gpu_perf  # noqa: E402
 from gpu_markdown import to_markdown  # noqa: E402
-from gpu_runs import grpo_run, pytest_gpu  # noqa: E402
+from gpu_runs import Skipped, grpo_run, pytest_gpu  # noqa: E402
 from gyre.config import ModelConfig  # noqa: E402
 from gyre.engines import TorchEngine  # noqa: E402
 from gyre.envs import MazeEnv  # noqa: E402
@@ -274,7 +274,7 @@ def _engine_models(ctx: Ctx, tok: Any) -> dict[str, torch.nn.Module]:
         cfg.pad_token_id, cfg.bos_token_id = tok.pad_token_id, tok.bos_token_id
         cfg.eos_token_id = tok.eos_token_id
         models[f"qwen2-{ctx.sizes.mid_model}-shape-char-vocab"] = gpu_perf.build(
-            cfg, torch.device("cpu"), torch.float32
+            cfg, ctx.device, torch.float32
         ).eval()
     return models
 
@@ -392,6 +392,8 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             try:
                 entry = {"status": "ok", "result": fn(ctx)}
+            except Skipped as e:
+                entry = {"status": "skipped", "note": str(e)}
             except Exception as e:
                 entry = {
                     "status": "error",

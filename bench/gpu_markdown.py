@@ -173,6 +173,8 @@ def _other(name: str, r: dict) -> list[str]:
             "before",
             "after",
             "learned",
+            "reward_first_half",
+            "reward_last_half",
             "reward_per_step",
             "skipped",
         ),

@@ -16,6 +16,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
+class Skipped(Exception):
+    """A section that found too little time left; the report records it as skipped."""
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
@@ -63,7 +67,7 @@ def grpo_run(ctx: Any) -> dict[str, Any]:
     GRPO above before GRPO."""
     t = ctx.budget.left() - 5
     if t < ctx.sizes.train_min_s:
-        return {"skipped": ctx.budget.note()}
+        raise Skipped(ctx.budget.note())
     with tempfile.TemporaryDirectory(prefix="gyre-gpu-run-") as tmp:
         run_dir = Path(tmp) / "run"
         device = "cpu" if ctx.device.type == "cpu" else str(ctx.device)
@@ -93,14 +97,29 @@ def grpo_run(ctx: Any) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             out["returncode"] = "timeout"
         out["wall_s"] = round(time.perf_counter() - t0, 1)
-        steps = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if "rollout/reward_mean" in r]
+        rows = _read_jsonl(run_dir / "metrics.jsonl")
+        steps = [r for r in rows if "rollout/reward_mean" in r]
+        evals = [r for r in rows if "eval/success_greedy" in r]
         out["steps_done"] = len(steps)
         out["reward_per_step"] = [round(r["rollout/reward_mean"], 4) for r in steps]
         out["rollout_logprob_gap"] = [r.get("train/rollout_logprob_gap") for r in steps]
+        half = len(steps) // 2
+        if half:  # the training reward's trend, also when the run was cut short
+            first, last = out["reward_per_step"][:half], out["reward_per_step"][-half:]
+            out["reward_first_half"] = round(sum(first) / half, 4)
+            out["reward_last_half"] = round(sum(last) / half, 4)
+        if evals:  # the first evaluation is before GRPO, the last (if any) after it
+            out["before"] = evals[0]
+            out["after"] = evals[-1] if len(evals) > 1 else None
         summary = run_dir / "summary.json"
         if summary.is_file():
             s = json.loads(summary.read_text())
-            before, after = s["before"], s["after"]
-            out["before"], out["after"], out["run_wall_s"] = before, after, s.get("wall_s")
-            out["learned"] = after["eval/success_greedy"] > before["eval/success_greedy"]
+            out["before"], out["after"], out["run_wall_s"] = (
+                s["before"],
+                s["after"],
+                s.get("wall_s"),
+            )
+        if out.get("before") and out.get("after"):
+            b, a = out["before"]["eval/success_greedy"], out["after"]["eval/success_greedy"]
+            out["learned"] = a > b
     return out
