@@ -556,3 +556,21 @@ def test_attention_softmax_padding_is_exact(shape):
     assert got.shape == s.shape
     torch.testing.assert_close(got, s.softmax(-1), atol=1e-6, rtol=1e-5)
     assert torch.all(got[1:, ..., -1] == 0)  # a masked key gets exactly 0 unless all are
+
+
+def test_rope_table_follows_a_dtype_change():
+    """A model moved to bf16 after a lean forward in fp32 (found by bench/gpu_check.py): the
+    cached RoPE table must follow the dtype, or attention sees fp32 and bf16 operands."""
+    model = copy.deepcopy(MODELS["llama-tied"])
+    lean = lean_for(model)
+    assert lean is not None
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(6)[None].expand(2, 6)
+    am = torch.ones(2, 6, dtype=torch.long)
+    with torch.no_grad():
+        lean.logits(lean.hidden(ids, pos, lean.padded_mask(am, torch.float32)))
+        model.to(torch.bfloat16)
+        got = lean.logits(lean.hidden(ids, pos, lean.padded_mask(am, torch.bfloat16)))
+        ref = model(input_ids=ids, attention_mask=am).logits
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)

@@ -287,7 +287,7 @@ class LeanForward:
         """cos and signed sin for positions 0..n-1 (grown by doubling), from the model's own
         rotary module, so every static RoPE variant gives exactly its values."""
         t = self._table
-        if t is None or t[0].shape[0] < n or t[0].device != like.device:
+        if t is None or t[0].shape[0] < n or t[0].device != like.device or t[0].dtype != like.dtype:
             size = max(n, 2 * (t[0].shape[0] if t is not None else 64))
             pos = torch.arange(size, device=like.device)[None]
             with torch.no_grad():
