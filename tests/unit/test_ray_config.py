@@ -89,3 +89,28 @@ def test_async_runs_get_the_off_policy_correction_by_default():
         changed = off_policy_default(cfg)
         assert cfg.train.algo.rollout_is == want, (mode, extra)
         assert changed == (want == "truncate")
+
+
+def test_default_placement_fits_the_cluster_and_says_so():
+    from gyre.runners.placement import bundles_cpus, fit_placement, placement_bundles
+
+    cfg = load_config(None, ["runner=ray"])  # 2 workers + 1 trainer, 1 CPU each: 3 CPUs
+    assert fit_placement(cfg, 8.0) is None and cfg.ray.placement == "disaggregated"
+    note = fit_placement(cfg, 2.0)
+    assert cfg.ray.placement == "colocated" and bundles_cpus(placement_bundles(cfg)[0]) <= 2.0
+    assert "does not fit the cluster's 2 CPUs" in note and "ray.placement=colocated" in note
+    cfg = load_config(None, ["runner=ray", "ray.mode=one-step-off"])  # cannot colocate: scaled
+    fit_placement(cfg, 2.0)
+    assert cfg.ray.placement == "disaggregated"
+    assert bundles_cpus(placement_bundles(cfg)[0]) <= 2.0 and cfg.ray.rollout.num_cpus < 1
+
+
+def test_explicit_placement_that_cannot_fit_is_a_one_line_error():
+    from gyre.runners.placement import fit_placement
+
+    cfg = load_config(None, ["runner=ray", "ray.placement=disaggregated"])
+    with pytest.raises(ValueError, match=r"needs 3 CPUs .*ray.placement.*the cluster has 2"):
+        fit_placement(cfg, 2.0)
+    cfg = load_config(None, ["runner=ray", "ray.trainer.num_cpus=2"])
+    with pytest.raises(ValueError, match=r"ray.trainer"):
+        fit_placement(cfg, 2.0)

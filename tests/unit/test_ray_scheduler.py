@@ -85,3 +85,56 @@ def test_share_seed_of_a_whole_step_is_the_step_seed():
 def test_share_must_divide_the_step():
     with pytest.raises(ValueError, match="tasks_per_share=3"):
         ShareScheduler(tasks_per_step=4, tasks_per_share=3, ahead=0, max_staleness=0)
+
+
+def _rewarded(task: int, rewards: list[float]) -> Group:
+    g = _group(task, 0, n=len(rewards))
+    for t, r in zip(g.trajs, rewards, strict=True):
+        t.reward = r
+    return g
+
+
+def _has_variance(g: Group) -> bool:
+    return len({t.reward for t in g.trajs}) > 1
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_widens_the_window():
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=0, max_staleness=0,
+                       max_rounds=3)  # fmt: skip
+    assert _start_all(s) == [0]
+    s.finished(0, [_rewarded(0, [1, 1]), _rewarded(1, [0, 1])])
+    assert s.take_batch(0, _has_variance) is not None  # task 0 dropped, task 1 kept: not full
+    assert s.filtered == 1 and s.finalized == 1
+    assert _start_all(s) == [1]  # the drop made room for one more share
+    s.finished(1, [_rewarded(2, [0, 0]), _rewarded(3, [1, 0])])
+    batch, dropped = s.take_batch(0, _has_variance)
+    assert [g.task for g in batch] == [1, 3] and [g.task for g in dropped] == [2]
+    m = s.batch_metrics()
+    assert m == {"rollout/frac_groups_dropped": 0.5, "rollout/sampling_rounds": 2.0,
+                 "rollout/groups_kept": 2.0}  # fmt: skip
+    assert s.finalized == 4 and s.filtered == 2
+
+
+def test_dynamic_sampling_round_cap_closes_the_batch():
+    """After max_rounds x tasks_per_step groups examined, the batch closes with what it has; if
+    none had variance, with the last tasks_per_step groups (as the local runner does)."""
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=0, max_staleness=0,
+                       max_rounds=2)  # fmt: skip
+    _start_all(s)
+    s.finished(0, [_rewarded(0, [1, 1]), _rewarded(1, [0, 0])])
+    assert s.take_batch(0, _has_variance) is not None
+    _start_all(s)
+    s.finished(1, [_rewarded(2, [0, 0]), _rewarded(3, [1, 1])])
+    batch, dropped = s.take_batch(0, _has_variance)
+    assert [g.task for g in batch] == [2, 3]  # none had variance: the last two
+    assert [g.task for g in dropped] == []
+    assert s.filtered == 2 and s.finalized == 4
+    assert s.batch_metrics()["rollout/groups_kept"] == 0.0
+
+
+def test_without_dynamic_sampling_nothing_is_filtered():
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=0, max_staleness=0)
+    _start_all(s)
+    s.finished(0, [_rewarded(0, [1, 1]), _rewarded(1, [1, 1])])
+    batch, dropped = s.take_batch(0)
+    assert [g.task for g in batch] == [0, 1] and dropped == [] and s.batch_metrics() == {}

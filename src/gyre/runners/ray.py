@@ -88,6 +88,30 @@ def actor_prefix(cfg: Config) -> str:
     return f"gyre-{key}"
 
 
+def _user_module_path(cfg: Config) -> str:
+    """``PYTHONPATH`` for the actors: the folders this driver imports the config's reward
+    functions from (``reward.functions[*].fn``, e.g. a module next to the config), before the
+    inherited path, so an actor resolves them as the driver does. (On a multi-node cluster the
+    folder must exist on every node, e.g. the shared file system; see docs/cluster.md.)"""
+    import importlib.util
+
+    dirs: list[str] = []
+    for f in cfg.reward.functions:
+        mod = f.fn.partition(":")[0].strip()
+        try:
+            spec = importlib.util.find_spec(mod.split(".")[0])
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin:
+            continue
+        top = Path(spec.origin).parent
+        root = top.parent if spec.submodule_search_locations else top
+        if str(root) not in dirs:
+            dirs.append(str(root))
+    inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([*dirs, *([inherited] if inherited else [])])
+
+
 def connect_ray(cfg: Config) -> bool:
     """Start or join Ray; True when this call started it (so the run shuts it down)."""
     if ray.is_initialized():
@@ -188,7 +212,11 @@ class RayPlacement:
 
     def _env_vars(self, num_cpus: float) -> dict[str, Any]:
         threads = str(self.cfg.run.threads or max(1, int(num_cpus)))
-        return {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}
+        env = {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+        path = _user_module_path(self.cfg)
+        if path:
+            env["PYTHONPATH"] = path
+        return {"env_vars": env}
 
     def _new_worker(self, i: int) -> Any:
         r = self.cfg.ray

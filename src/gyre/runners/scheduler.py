@@ -8,7 +8,7 @@ a share that is reissued after a worker died produces the same ids, and an id ca
 trained once.
 
 Pacing (how far generation may run ahead of training), counted in groups (tasks):
-share ``s`` may start when its last task ``< finalized + tasks_per_step * (1 + ahead)``, where
+share ``s`` may start when its first task ``< finalized + tasks_per_step * (1 + ahead)``, where
 ``finalized`` counts groups already trained or dropped. ``ahead`` is 0 for sync (generate batch
 n, then train it), 1 for one-step-off, and ``ray.async_ahead`` for async. Dropped groups widen the
 window, so a batch can always be filled.
@@ -80,8 +80,11 @@ class ShareScheduler:
 
     # -- handing out work ----------------------------------------------------------------
     def may_start(self, share: int) -> bool:
-        last_task = (share + 1) * self.tasks_per_share - 1
-        return last_task < self.finalized + self.tasks_per_step * (1 + self.ahead)
+        # The share's *first* task must lie in the window. Without drops ``finalized`` is a
+        # multiple of the share size and this equals "its last task does"; after drops (stale,
+        # or filtered by dynamic sampling) it lets a share start that the batch needs part of.
+        first_task = share * self.tasks_per_share
+        return first_task < self.finalized + self.tasks_per_step * (1 + self.ahead)
 
     def next_to_start(self) -> int | None:
         """A share to hand to an idle worker now (reissues first), or None."""
