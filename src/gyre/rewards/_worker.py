@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from gyre.rewards import _confine as cf
+import gyre.rewards._confine as cf
 
 MAX_FRAME = 256 * 1024 * 1024
 

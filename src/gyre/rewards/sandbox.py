@@ -53,8 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import gyre.rewards._cgroup as _cgroup
 from gyre.config import SandboxConfig
-from gyre.rewards import _cgroup
 from gyre.rewards.errors import SandboxUnavailableError
 
 log = logging.getLogger("gyre.rewards")
