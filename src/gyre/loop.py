@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from gyre.checkpoint.resume import (
@@ -41,7 +39,7 @@ from gyre.checkpoint.resume import (
     preempt_if_requested,
     rewind_metrics,
 )
-from gyre.checkpoint.store import write_file_atomically
+from gyre.checkpoint.store import seed_everything, write_file_atomically
 from gyre.config import Config, dump_config, resolve_run_dir
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_device
 from gyre.rollout.core import rollout_metrics
@@ -106,12 +104,6 @@ def setup(cfg: Config, fresh_check: bool = False) -> tuple[Path, torch.device]:
     hf_logging.set_verbosity_error()
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     return run_dir, resolve_device(cfg.run.device)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def base_model_path(cfg: Config, run_dir: Path) -> Path:

@@ -370,6 +370,14 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 
 # -- what goes into a checkpoint ---------------------------------------------------------------
+def seed_everything(seed: int) -> None:
+    """Python, numpy and torch global RNGs from the run seed (what a checkpoint's RNG state
+    restores, see :func:`capture_rng`)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Global generators plus named ones (torch.Generator or numpy Generator)."""
     out: dict[str, Any] = {

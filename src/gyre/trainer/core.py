@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gyre.checkpoint.resume import Checkpointer
-from gyre.checkpoint.store import load_into
+from gyre.checkpoint.store import load_into, seed_everything
 from gyre.config import Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state
@@ -77,6 +77,9 @@ class Trainer:
         first and wraps the policy for ``ray.strategy`` (DDP: parameters broadcast from rank 0;
         FSDP2: sharded).
         """
+        # Every process that builds a Trainer draws the same LoRA / value-head initialisation
+        # (a resumed one then restores its RNG state from the checkpoint).
+        seed_everything(cfg.run.seed)
         model, tokenizer = load_policy(cfg, run_dir, policy_path, device)
         lora = cfg.model.lora is not None
         ref = None
