@@ -11,6 +11,10 @@ placement the config asked for explicitly that cannot fit is a one-line error na
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
 from typing import Any
 
 from gyre.config import Config
@@ -144,3 +148,31 @@ def off_policy_default(cfg: Config) -> bool:
         return False
     algo.rollout_is = "truncate"
     return True
+
+
+def actor_prefix(cfg: Config) -> str:
+    """Actor names of a run: ``<prefix>-rollout-<i>``, ``<prefix>-trainer-<rank>``."""
+    key = hashlib.sha1(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:8]
+    return f"gyre-{key}"
+
+
+def user_module_path(cfg: Config) -> str:
+    """``PYTHONPATH`` for the actors: the folders this driver imports the config's reward
+    functions from (``reward.functions[*].fn``, e.g. a module next to the config), before the
+    inherited path, so an actor resolves them as the driver does. (On a multi-node cluster the
+    folder must exist on every node, e.g. the shared file system; see docs/cluster.md.)"""
+    dirs: list[str] = []
+    for f in cfg.reward.functions:
+        mod = f.fn.partition(":")[0].strip()
+        try:
+            spec = importlib.util.find_spec(mod.split(".")[0])
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin:
+            continue
+        top = Path(spec.origin).parent
+        root = top.parent if spec.submodule_search_locations else top
+        if str(root) not in dirs:
+            dirs.append(str(root))
+    inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([*dirs, *([inherited] if inherited else [])])

@@ -1,17 +1,23 @@
 """``runner: ray``: the same GRPO loop with rollout workers and a trainer group as Ray actors.
 
-The driver owns the schedule; actors own the objects (``runners/actors.py``):
+The driver owns the schedule; actors own the very objects the local runner uses
+(``runners/actors.py``):
 
-    N rollout workers   TorchEngine + env factory; each plays whole *shares* of tasks
-    M trainer ranks     policy + AdamW; data-parallel over torch.distributed (gloo on CPU)
+    N rollout workers   a Rollout each (engine + env factory + reward functions); each plays
+                        and scores whole *shares* of tasks (an in-process engine, or an HTTP
+                        client of vLLM / SGLang / gyre serve servers)
+    M trainer ranks     a Trainer each (policy, AdamW, reference, value model, LoRA), data-
+                        parallel over torch.distributed (DDP on gloo, FSDP2 on nccl)
 
 This module is a :class:`gyre.loop.Placement`: the loop (``gyre.loop.train``) is the same one
-the local runner runs. One step: 1. rollout (shares handed to idle workers: the driver
-load-balances) -> 2-3. reward and advantages on the driver, over whole groups -> 4. update (each
-rank gets an equal shard of rows; loss weights use the step's *global* token/row counts) ->
-5. sync (rank 0's weights go through the object store to every worker, stamped with the new
-version; time and bytes are logged) -> 6. log -> 7. checkpoint (rank 0 writes the usual
-checkpoint on the run directory, which must be shared storage on a multi-node cluster).
+the local runner runs. One step: 1-2. rollout and reward (shares handed to idle workers, which
+score them with the reward functions; the driver load-balances, drops stale groups and, with
+DAPO dynamic sampling, groups without reward variance) -> 3-4. advantages and update on the
+trainer ranks (each rank gets an equal shard of whole groups; loss weights use the step's
+*global* token/row counts) -> 5. sync (rank 0's weights -- the adapter's under LoRA -- go through
+the object store to every worker, stamped with the new version; with HTTP engines rank 0 writes
+them to ``engine.sync_dir`` and has the servers load them) -> 6. log -> 7. checkpoint (rank 0
+writes the usual checkpoint on the run directory, shared storage on a multi-node cluster).
 
 Modes (``ray.mode``): ``sync`` generates batch n with version n-1 and trains it; ``one-step-off``
 lets generation of batch n+1 run while batch n trains; ``async`` lets generation run
@@ -30,7 +36,6 @@ Every trained or dropped trajectory gets a line in ``<run.dir>/trajectories.json
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -50,12 +55,14 @@ from gyre.rollout.core import rollout_seed
 from gyre.rollout.dapo import has_reward_variance
 from gyre.runners.actors import RolloutWorker, TrainerRank
 from gyre.runners.placement import (
+    actor_prefix,
     combine_ranks,
     fit_placement,
     gathers_on_every_rank,
     off_policy_default,
     placement_bundles,
     require_ray,
+    user_module_path,
 )
 from gyre.runners.scheduler import Group, ShareScheduler
 from gyre.telemetry import MetricsSink
@@ -80,36 +87,6 @@ def _trainer_get(refs: Any) -> Any:
         return ray.get(refs)
     except _DIED as exc:
         raise TrainerGroupFailed(str(exc)) from exc
-
-
-def actor_prefix(cfg: Config) -> str:
-    """Actor names of a run: ``<prefix>-rollout-<i>``, ``<prefix>-trainer-<rank>``."""
-    key = hashlib.sha1(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:8]
-    return f"gyre-{key}"
-
-
-def _user_module_path(cfg: Config) -> str:
-    """``PYTHONPATH`` for the actors: the folders this driver imports the config's reward
-    functions from (``reward.functions[*].fn``, e.g. a module next to the config), before the
-    inherited path, so an actor resolves them as the driver does. (On a multi-node cluster the
-    folder must exist on every node, e.g. the shared file system; see docs/cluster.md.)"""
-    import importlib.util
-
-    dirs: list[str] = []
-    for f in cfg.reward.functions:
-        mod = f.fn.partition(":")[0].strip()
-        try:
-            spec = importlib.util.find_spec(mod.split(".")[0])
-        except (ImportError, ValueError):
-            continue
-        if spec is None or not spec.origin:
-            continue
-        top = Path(spec.origin).parent
-        root = top.parent if spec.submodule_search_locations else top
-        if str(root) not in dirs:
-            dirs.append(str(root))
-    inherited = os.environ.get("PYTHONPATH", "")
-    return os.pathsep.join([*dirs, *([inherited] if inherited else [])])
 
 
 def connect_ray(cfg: Config) -> bool:
@@ -213,7 +190,7 @@ class RayPlacement:
     def _env_vars(self, num_cpus: float) -> dict[str, Any]:
         threads = str(self.cfg.run.threads or max(1, int(num_cpus)))
         env = {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-        path = _user_module_path(self.cfg)
+        path = user_module_path(self.cfg)
         if path:
             env["PYTHONPATH"] = path
         return {"env_vars": env}
