@@ -139,9 +139,15 @@ class ModelHost:
             return self.engine.generate(reqs, params)
 
     def load_lora(self, name: str, path: str) -> None:
-        from gyre.models.lora import load_adapter_into
+        from gyre.models.lora import ADAPTER_CONFIG, is_adapter_dir, load_adapter_into
 
         folder = checked_folder(path, "lora_path")
+        if not is_adapter_dir(folder):
+            raise ApiError(
+                400,
+                f"lora_path '{path}' is not a peft adapter folder (no {ADAPTER_CONFIG})",
+                "lora_path",
+            )
         # Read (and so check) the adapter's files before the model is touched: peft injects its
         # layers into the base model before it reads the weights.
         read_safetensors(sorted(folder.glob("*.safetensors")), "lora_path")
