@@ -358,3 +358,50 @@ def test_fuzzed_bodies_never_give_a_5xx_or_plain_text(client, files):
     # the fuzz reaches both sides: some bodies are served, most refused
     assert seen.get(200, 0) > 50 and seen.get(400, 0) > 500, seen
     assert client.get("/health").status_code == 200
+
+
+# -- the command's auth rules -----------------------------------------------------------------
+
+
+def _ns(*argv: str):
+    from gyre.engines.server import _parser
+
+    return _parser().parse_args(["MODEL", *argv])
+
+
+def test_loopback_names():
+    from gyre.engines.server import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "myhost.example"))
+
+
+def test_api_key_sources(tmp_path, monkeypatch, capsys):
+    from gyre.engines.server import _api_key
+
+    monkeypatch.setenv("GYRE_API_KEY", "from-env")
+    assert _api_key(_ns()) == "from-env"
+    (tmp_path / "k").write_text("  from-file\n")
+    assert _api_key(_ns("--api-key-file", str(tmp_path / "k"))) == "from-file"  # file wins
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match=r"--api-key-file .* is empty"):
+        _api_key(_ns("--api-key-file", str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match=r"--api-key-file .* cannot be read"):
+        _api_key(_ns("--api-key-file", str(tmp_path / "missing")))
+    assert _api_key(_ns("--api-key", "flag")) == "flag"
+    assert "process list" in capsys.readouterr().err
+    monkeypatch.delenv("GYRE_API_KEY")
+    assert _api_key(_ns()) == ""
+
+
+def test_open_server_rules(capsys):
+    from gyre.engines.server import _check_exposure
+
+    _check_exposure(_ns("--host", "0.0.0.0"), "key")  # a key: any bind, no warning
+    assert capsys.readouterr().err == ""
+    _check_exposure(_ns(), "")  # loopback without a key: served, with a warning
+    assert "warning: no API key" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--host 0\.0\.0\.0 .* --allow-open"):
+        _check_exposure(_ns("--host", "0.0.0.0"), "")
+    _check_exposure(_ns("--host", "0.0.0.0", "--allow-open"), "")
+    assert "warning: no API key" in capsys.readouterr().err
