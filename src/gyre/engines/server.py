@@ -173,7 +173,7 @@ def _auth(api_key: str) -> list[Any]:
 
     want = f"Bearer {api_key}".encode()
 
-    def check_key(request: Request) -> None:
+    async def check_key(request: Request) -> None:
         if not api_key:
             return
         got = request.headers.get("authorization", "").encode()
