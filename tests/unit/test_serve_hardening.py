@@ -147,6 +147,16 @@ def test_prompt_shapes_counts_and_context(client, tokenizer):
     assert "outside" in _err(r, 400, "prompt")
 
 
+def test_bodies_with_too_many_json_containers_are_refused_before_parsing(client):
+    r = client.post("/v1/completions", json={"prompt": [[1]] * 5000})
+    assert "5002 JSON arrays/objects" in _err(r, 400, "body")
+    # brackets inside strings are not containers: a bracket-heavy text prompt is served
+    r = client.post("/v1/completions", json={"prompt": "[{" * 3000, "max_tokens": 1})
+    assert "context length" in _err(r, 400, "max_tokens")  # parsed and tokenized: 6000 tokens
+    r = client.post("/v1/completions", json={"prompt": ["[1]"] * 3000, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
 def test_body_over_the_limit_is_413_json(client):
     r = client.post("/v1/completions", json={"prompt": "x" * 70_000})
     assert "limit of 65536 bytes" in _err(r, 413)

@@ -8,6 +8,7 @@ at most ``MAX_SEQUENCES`` sequences (prompts x ``n``) per request; token ids ins
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ floor."""
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes any int64 / uint64; keep int64
 MAX_NEW_TOKENS = 1 << 20  # an absolute cap when a model does not state its context length
 MAX_SEQUENCES = 4096  # prompts x n in one request
+MAX_JSON_CONTAINERS = MAX_SEQUENCES + 64  # arrays + objects in a body: prompts or messages + a few
 
 
 class ApiError(Exception):
@@ -161,6 +163,29 @@ class UpdateWeightsBody(_Body):
     model_path: str = Field(min_length=1)
     load_format: str | None = None
     weight_version: str | None = None
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
+
+
+def check_containers(raw: bytes) -> None:
+    """Refuse a body with more JSON arrays/objects than any valid request has, before parsing.
+
+    Parsing builds one Python object per container while holding the GIL (and each one can
+    trigger a garbage collection): 4 MiB of ``[[1],[1],...]`` held the event loop for seconds.
+    Counting brackets outside strings is a C-speed scan.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_CONTAINERS:
+        return  # the fast path: brackets inside strings only make this an overcount
+    bare = _JSON_STRING.sub(b"", raw)
+    n = bare.count(b"[") + bare.count(b"{")
+    if n > MAX_JSON_CONTAINERS:
+        raise ApiError(
+            400,
+            f"request body has {n} JSON arrays/objects; a request has at most "
+            f"{MAX_JSON_CONTAINERS} ({MAX_SEQUENCES} prompts or messages)",
+            "body",
+        )
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

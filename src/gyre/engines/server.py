@@ -28,6 +28,7 @@ folder's manifest and refuse non-finite tensors (:mod:`gyre.engines.serve_host`)
 """
 
 import argparse
+import gc
 import hmac
 import ipaddress
 import os
@@ -50,6 +51,7 @@ from gyre.engines.serve_requests import (
     UpdateWeightsBody,
     chat_answer,
     chat_prompt,
+    check_containers,
     completion_answer,
     generate_answer,
     prompts_of,
@@ -184,6 +186,7 @@ def _auth(api_key: str) -> list[Any]:
 
 
 def _validate(cls: type[BaseModel], raw: bytes) -> Any:
+    check_containers(raw)
     try:
         return cls.model_validate_json(raw)
     except ValidationError as exc:
@@ -491,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         print(f"gyre serve: error: {exc.message}", file=sys.stderr)
         return 1
+    # The model, torch and transformers are long-lived: out of the collector's sight, a request
+    # that allocates many objects no longer pays for full collections that walk all of them.
+    gc.freeze()
     body_bytes = int(ns.max_body_mb * (1 << 20))
     app = create_app(host, key, ns.max_batch, ns.batch_wait_ms, body_bytes)
     print(f"gyre serve: {host.served_name} on http://{ns.host}:{ns.port}", flush=True)
