@@ -40,15 +40,20 @@ def start_server(
     port: int | None = None,
     name: str = "tiny",
     timeout_s: float = 120.0,
+    extra_args: tuple[str, ...] = (),
 ) -> Served:
-    """``gyre serve`` in a child process; returns once ``/health`` answers."""
+    """``gyre serve`` in a child process; returns once ``/health`` answers.
+
+    The key goes through ``$GYRE_API_KEY``, never the command line (where ``ps`` shows it).
+    """
     port = port or free_port()
     log = log_dir / f"serve-{port}-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "gyre.cli", "serve", str(model_dir), "--port", str(port)]
-    cmd += ["--served-model-name", name]
-    if api_key:
-        cmd += ["--api-key", api_key]
+    cmd += ["--served-model-name", name, *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("GYRE_API_KEY", None)
+    if api_key:
+        env["GYRE_API_KEY"] = api_key
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     served = Served(proc, f"http://127.0.0.1:{port}", port, model_dir, log)

@@ -90,3 +90,17 @@ def test_bad_api_and_no_urls_are_refused():
         HttpEngine(["http://127.0.0.1:1"], api="grpc")
     with pytest.raises(ValueError, match=r"engine\.urls"):
         HttpEngine([])
+
+
+def test_refusals_read_the_servers_json_message():
+    import httpx
+
+    from gyre.engines.http_engine import _error_text
+
+    err = {"error": {"message": "invalid request: seed: too big", "param": "seed", "code": 400}}
+    assert _error_text(httpx.Response(400, json=err)) == "400 invalid request: seed: too big"
+    big = {"error": {"message": "request body is larger than this server's limit", "code": 413}}
+    assert "--max-body-mb" in _error_text(httpx.Response(413, json=big))
+    sglang = {"success": False, "message": "model_path '/x' is not a directory"}
+    assert _error_text(httpx.Response(400, json=sglang)).endswith("is not a directory")
+    assert _error_text(httpx.Response(400, text="plain words")) == "400 plain words"

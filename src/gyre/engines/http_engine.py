@@ -322,7 +322,7 @@ class HttpEngine:
                     # 404: the server lacks the current adapter (e.g. restarted): resync first.
                     self._take_out(s, f"{r.status_code}: {r.text[:200]}")
                 else:
-                    raise ServerError(f"{s.url} rejected a completion: {r.status_code} {r.text}")
+                    raise ServerError(f"{s.url} rejected a completion: {_error_text(r)}")
             attempts += 1
             with self._cond:
                 self.stats["retries"] += 1
@@ -402,6 +402,21 @@ class HttpEngine:
                 self.stats["servers_put_back"] += 1
                 self._cond.notify_all()
             log.warning("gyre: server %s put back at policy version %d", s.url, self.version)
+
+
+def _error_text(r: Any) -> str:
+    """A refusal in one line: the status and the server's message (OpenAI / SGLang JSON)."""
+    try:
+        body = r.json()
+        err = body.get("error") if isinstance(body, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else None
+        msg = msg or (body.get("message") or body.get("error_message") or body.get("detail"))
+    except ValueError:
+        msg = None
+    text = str(msg) if msg else r.text[:300]
+    if r.status_code == 413:
+        text += " (a prompt this large needs a larger body limit, e.g. gyre serve --max-body-mb)"
+    return f"{r.status_code} {text}"
 
 
 def _parse_completion(data: dict[str, Any], url: str) -> Completion:
