@@ -149,11 +149,12 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
     current step with a checkpoint and raise :class:`gyre.checkpoint.resume.Preempted`.
     """
     t_start = time.perf_counter()
-    placement.connect()  # may settle config (Ray: placement fitted to the cluster) before setup
-    run_dir, device = setup(cfg, fresh_check=True)
-    ckpt = Checkpointer(cfg, run_dir)
     out: Telemetry | None = None
+    ckpt: Checkpointer | None = None
     try:
+        placement.connect()  # may settle config (Ray: placement fitted to the cluster) first
+        run_dir, device = setup(cfg, fresh_check=True)
+        ckpt = Checkpointer(cfg, run_dir)
         with StopGuard() as guard:  # after connect: ray.init installs handlers of its own
             plan = ckpt.plan()
             policy, ref = warm_start(cfg, run_dir, device, ckpt, plan, guard)
@@ -165,7 +166,8 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
         if out is not None:
             out.close()
         placement.close()
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
     summary = {
         "run_dir": str(run_dir),
         "steps": cfg.train.steps,

@@ -67,8 +67,9 @@ class CheckpointMismatchError(ValueError):
 
 # -- fault injection ---------------------------------------------------------------------------
 # Tests (and ``gyre verify-resume``) need to fail or stall a checkpoint write at a known point.
-# In-process tests register a callable; subprocesses use GYRE_FAULT="checkpoint.write:enospc" or
-# GYRE_FAULT="checkpoint.write:pause=SECONDS:MARKER_FILE" (the marker is created on arrival).
+# In-process tests register a callable; subprocesses use GYRE_FAULT="checkpoint.write:enospc",
+# GYRE_FAULT="checkpoint.write:pause=SECONDS:MARKER_FILE" (the marker is created on arrival) or
+# GYRE_FAULT="env.step:raise" (every env step raises: failed episodes). Ray actors inherit it.
 _FAULT_HOOKS: dict[str, Callable[[], None]] = {}
 
 
@@ -93,6 +94,8 @@ def fault_point(point: str) -> None:
         import errno
 
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected by GYRE_FAULT)")
+    if action == "raise":
+        raise RuntimeError(f"injected by GYRE_FAULT at {point}")
     if action.startswith("pause="):
         import time
 
