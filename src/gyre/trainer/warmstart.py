@@ -8,6 +8,7 @@ it in its own (driver) process before GRPO.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,26 @@ from gyre.rollout.evaluate import train_seed
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from gyre.trainer.batch import collate
 from gyre.trainer.sft import sft_step
+from gyre.types import Trajectory
+
+
+def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajectory]:
+    """``sft.demos`` noisy-expert episodes on the SFT task stream, cached in ``sft_demos.pt``
+    under a key of everything they depend on (rebuilt when any of it changes)."""
+    make_env = env_factory(cfg.env)
+    rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
+    key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
+           "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab()}  # fmt: skip
+    return cached(
+        run_dir / "sft_demos.pt",
+        key,
+        lambda: [
+            demonstrate(
+                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng
+            )
+            for k in range(cfg.sft.demos)
+        ],
+    )
 
 
 def run_sft(
@@ -53,25 +74,7 @@ def run_sft(
     ckpt = ckpt or Checkpointer(cfg, run_dir)
     resuming = resume is not None and resume.phase == "sft" and resume.ckpt is not None
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
-    make_env = env_factory(cfg.env)
-    rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
-    demo_key = {
-        "seed": cfg.run.seed,
-        "env": cfg.env.model_dump(),
-        "n": cfg.sft.demos,
-        "noise": cfg.sft.noise,
-        "vocab": tokenizer.get_vocab(),
-    }
-    demos = cached(
-        run_dir / "sft_demos.pt",
-        demo_key,
-        lambda: [
-            demonstrate(
-                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng
-            )
-            for k in range(cfg.sft.demos)
-        ],
-    )
+    demos = demonstrations(cfg, run_dir, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.sft.warmup_steps))
