@@ -854,6 +854,19 @@ def dump_config(cfg: Config) -> str:
 API_KEY_ENV = "GYRE_API_KEY"
 
 
+def secrets_to_env(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Take ``engine.api_key=...`` out of overrides handed to another process (a subprocess, a
+    Ray job) and return it as ``GYRE_API_KEY``, so the key is not on that command line."""
+    rest, env = [], {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "engine.api_key":
+            env[API_KEY_ENV] = value
+        else:
+            rest.append(item)
+    return rest, env
+
+
 def resolve_api_key(engine: EngineConfig) -> str:
     """The bearer token for HTTP engines: ``engine.api_key`` if given (a one-off), else the
     ``GYRE_API_KEY`` environment variable, else the first line of ``engine.api_key_file``; ''

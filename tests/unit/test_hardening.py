@@ -362,3 +362,11 @@ def test_check_manifest(tmp_path, make_tiny_model, tokenizer):
     (other / "config.json").unlink()
     with pytest.raises(InputError, match=r"config\.json missing"):
         check_manifest(other)
+
+
+def test_submitted_job_gets_the_key_by_environment(tmp_path):
+    from gyre.runners.submit import build_job
+
+    job = build_job(None, ["engine.api_key=sk-job-789", "train.steps=2"], str(tmp_path))
+    assert "sk-job-789" not in job["entrypoint"] and "train.steps=2" in job["entrypoint"]
+    assert job["runtime_env"]["env_vars"] == {"GYRE_API_KEY": "sk-job-789"}
