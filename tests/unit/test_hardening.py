@@ -24,14 +24,8 @@ from gyre.checkpoint.store import (
     write_manifest,
     write_model_dir,
 )
-from gyre.config import (
-    REDACTED,
-    ConfigError,
-    EngineConfig,
-    dump_config,
-    load_config,
-    resolve_api_key,
-)
+from gyre.config import REDACTED, ConfigError, EngineConfig, dump_config, load_config
+from gyre.credentials import resolve_api_key
 from gyre.envs.dataset import load_jsonl_tasks
 from gyre.errors import InputError, ensure_writable_dir
 from gyre.models.build import load_pretrained
@@ -370,3 +364,21 @@ def test_submitted_job_gets_the_key_by_environment(tmp_path):
     job = build_job(None, ["engine.api_key=sk-job-789", "train.steps=2"], str(tmp_path))
     assert "sk-job-789" not in job["entrypoint"] and "train.steps=2" in job["entrypoint"]
     assert job["runtime_env"]["env_vars"] == {"GYRE_API_KEY": "sk-job-789"}
+
+
+def test_check_manifest_of_a_checkpoint_model_dir(tmp_path, make_tiny_model, tokenizer):
+    model = make_tiny_model()
+    store = CheckpointStore(tmp_path / "ckpts")
+    path = Path(
+        save(
+            store,
+            "step_000001",
+            model,
+            tokenizer,
+            Snapshot(1, {}, torch.optim.SGD(model.parameters(), lr=0.1)),
+        )
+    )
+    check_manifest(path / "model")
+    (path / "model" / "config.json").write_text("{}")
+    with pytest.raises(InputError, match=r"step_000001/manifest\.json does not match"):
+        check_manifest(path / "model")

@@ -205,11 +205,15 @@ def verify_dir(root: Path) -> list[str]:
 
 def check_manifest(root: Path) -> None:
     """A folder someone asks to load (``gyre eval``, ``gyre export``): when it has a
-    ``manifest.json``, every file it lists must match, else an :class:`InputError` in one line.
-    A folder without one (a model from elsewhere) is loaded as is."""
+    ``manifest.json`` (or is a checkpoint's ``model/``), every file listed must match, else an
+    :class:`InputError` in one line. A folder without one (a model from elsewhere) loads as is."""
     root = Path(root)
     if not (root / MANIFEST_FILE).is_file():
-        return
+        parent = root.parent  # a checkpoint's model/: the checkpoint's manifest covers it
+        if root.name == "model" and (parent / MANIFEST_FILE).is_file():
+            root = parent
+        else:
+            return
     problems = verify_dir(root)
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""

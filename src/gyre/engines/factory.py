@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from gyre.config import Config, resolve_api_key
+from gyre.config import Config
+from gyre.credentials import resolve_api_key
 from gyre.engines.sync import WeightSync
 from gyre.engines.torch_engine import TorchEngine
 

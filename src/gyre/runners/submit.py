@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gyre.config import load_config, secrets_to_env
+from gyre.config import load_config
+from gyre.credentials import secrets_to_env
 from gyre.runners.placement import require_ray
 
 
