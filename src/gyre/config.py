@@ -35,7 +35,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-# -- hardening bounds (docs/configuration.md, "Bounds") -----------------------------------------
+# -- bounds (docs/operations.md, "NaN policy") ---------------------------------------------------
 # AdamW moves each weight by about lr per step: above 1 every step overshoots any weight scale.
 MAX_LR = 1.0
 # Below this a temperature divides logits into overflow / a one-hot in all but name; 0 = greedy.
@@ -731,14 +731,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
+                first = seen.get(key)
             except TypeError:  # an unhashable key: let SafeLoader report it
                 continue
-            if first != key_node.start_mark.line + 1:
+            if first is not None:
                 raise yaml.constructor.ConstructorError(
                     None, None,
                     f"duplicate key {key!r} (first on line {first})", key_node.start_mark,
                 )  # fmt: skip
+            seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
 
@@ -767,7 +768,10 @@ def _parse_override(item: str) -> tuple[str, Any]:
         return key, raw.strip()
     try:
         value = _yaml_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as exc:
+        problem = str(getattr(exc, "problem", "") or "")
+        if problem.startswith("duplicate key"):  # not a plain string either: say so
+            raise ConfigError(f"override '{key}': {problem}") from None
         value = raw
     if value is None:
         value = raw

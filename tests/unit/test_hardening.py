@@ -214,6 +214,11 @@ def test_duplicate_yaml_key_names_key_and_line(tmp_path):
     p.write_text("train:\n  steps: 3\n  steps: 4\n")
     with pytest.raises(ConfigError, match=r"line 3.*duplicate key 'steps'"):
         load_config(p)
+    p.write_text("train: {steps: 3, steps: 4}\n")  # flow style, one line
+    with pytest.raises(ConfigError, match=r"line 1.*duplicate key 'steps'"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"duplicate key 'rank'"):
+        load_config(None, ["model.lora={rank: 4, rank: 8}"])
 
 
 def test_model_config_not_json_names_the_file(tmp_path):
