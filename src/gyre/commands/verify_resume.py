@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from gyre.checkpoint.resume import EXIT_OK, EXIT_PREEMPTED
+from gyre.credentials import secrets_to_env
 
 METRIC_FILES = ("sft_metrics.jsonl", "metrics.jsonl")
 MODEL_DIRS = ("sft", "final")
@@ -154,6 +155,8 @@ class _ForkProc:
 def _launch(
     args: list[str], run_dir: Path, log: Path, extra_env: dict[str, str], fork: bool = False
 ) -> Any:
+    args, secret_env = secrets_to_env(args)  # an API key goes by environment, not argv
+    extra_env = {**extra_env, **secret_env}
     argv = ["train", *args, f"run.dir={run_dir}", "log.console=off"]
     if fork:
         return _ForkProc(argv, log, extra_env)

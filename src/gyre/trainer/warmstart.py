@@ -20,6 +20,7 @@ from gyre.checkpoint.resume import (
     TaskCursor,
     cached,
     check_nonfinite,
+    check_parameters_finite,
     preempt_if_requested,
     rewind_metrics,
 )
@@ -110,6 +111,7 @@ def run_sft(
             streak = streak + 1 if metrics["sft/nonfinite_skipped"] else 0
             sink.log(step, {**metrics, "sft/lr": lr})
             check_nonfinite(cfg, streak, "SFT", step)
+            check_parameters_finite(model, "SFT", step)
             saved = None
             every = cfg.checkpoint.sft_every
             if every and step % every == 0 and step < cfg.sft.steps:
