@@ -27,13 +27,16 @@ from gyre.algos.losses import (
     get_kl_fn,
     get_policy_loss_fn,
     gspo_loss,
+    kl_abs,
     kl_k1,
     kl_k2,
     kl_k3,
     masked_token_sum,
     ppo_clip_loss,
     reinforce_loss,
+    straight_through,
 )
+from gyre.algos.turns import Turns, gigpo_advantages, turn_returns_advantages
 
 __all__ = [
     "ADVANTAGES",
@@ -43,6 +46,7 @@ __all__ = [
     "TOKEN_LEVEL",
     "LossParams",
     "StepCounts",
+    "Turns",
     "agg_weights",
     "aggregate",
     "cispo_loss",
@@ -52,8 +56,10 @@ __all__ = [
     "get_advantage_fn",
     "get_kl_fn",
     "get_policy_loss_fn",
+    "gigpo_advantages",
     "grpo_advantages",
     "gspo_loss",
+    "kl_abs",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -64,4 +70,6 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "rollout_is_weights",
+    "straight_through",
+    "turn_returns_advantages",
 ]

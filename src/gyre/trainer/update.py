@@ -33,6 +33,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,6 +86,7 @@ class GRPOSettings:
     rollout_is_threshold_lower: float = 0.0
     vf_coef: float = 0.5
     value_clip: float = 0.2
+    count_masked_rows: bool = True  # seq-mean-* row denominators count all-masked rows
 
     def loss_params(self) -> LossParams:
         return LossParams(self.clip_eps, self.clip_eps_high, self.dual_clip)
@@ -217,8 +219,10 @@ def batch_advantages(
     eps: float = 1e-6,
     gamma: float = 1.0,
     lam: float = 1.0,
+    **estimator: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages (B,) or (B, T) for ``batch``; value targets land in ``batch.extras``.
+    ``estimator``: further keywords of :func:`gyre.algos.compute_advantages` (``turns``, ...).
 
     KL in the reward (``kl_in == 'reward'``, needs ``ref_logprobs`` from :func:`prepare_batch`):
     token estimators get -kl_coef * KL_t per policy token; outcome estimators get the reward
@@ -246,6 +250,7 @@ def batch_advantages(
         eps=eps,
         gamma=gamma,
         lam=lam,
+        **estimator,
     )
     if returns is not None:
         batch.extras["returns"] = returns
@@ -326,7 +331,7 @@ def policy_update(
         if value_model is not None:
             value_model.optimizer.zero_grad(set_to_none=True)
         # Denominators of the whole optimizer step, fixed before the micro-batch loop.
-        counts = StepCounts.of(mini.loss_mask, settings.loss_norm_len)
+        counts = StepCounts.of(mini.loss_mask, settings.loss_norm_len, settings.count_masked_rows)
         if reduce_counts is not None:
             counts = reduce_counts(counts)
         n_rows = len(mini_idx)
@@ -490,4 +495,5 @@ def settings_from_config(train: TrainConfig) -> GRPOSettings:
         rollout_is_threshold_lower=a.rollout_is_threshold_lower,
         vf_coef=a.vf_coef,
         value_clip=a.value_clip,
+        count_masked_rows=a.count_masked_rows,
     )
