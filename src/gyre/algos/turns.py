@@ -81,23 +81,29 @@ def group_normalise(
             continue
         v = torch.tensor([float(values[j]) for j in idx], dtype=torch.float64)
         a = v - v.mean()
-        if divide_std:
-            a = a / (v.std(unbiased=True) + eps)
+        std = float(v.std(unbiased=True))
+        if divide_std and std > 0:  # equal values: all 0, whatever eps
+            a = a / (std + eps)
         for j, x in zip(idx, a.tolist(), strict=True):
             out[j] = x
     return out
 
 
 def _spread(
-    per_turn: list[list[float]], turns: Turns, base: torch.Tensor, loss_mask: torch.Tensor
+    per_turn: list[list[float]],
+    turns: Turns,
+    base: torch.Tensor,
+    loss_mask: torch.Tensor,
+    add_base: bool = True,
 ) -> torch.Tensor:
-    """(N, T): base[i] + per_turn[i][k] on turn k's tokens; base[i] on a row without turns."""
+    """(N, T): (base[i] +) per_turn[i][k] on turn k's tokens; base[i] on a row without turns."""
     out = torch.zeros(loss_mask.shape, dtype=torch.float64)
     for i, spans in enumerate(turns.spans):
         if not spans:
             out[i] = float(base[i])
+        b = float(base[i]) if add_base else 0.0
         for k, (s, e) in enumerate(spans):
-            out[i, s:e] = float(base[i]) + per_turn[i][k]
+            out[i, s:e] = b + per_turn[i][k]
     return out.float().to(loss_mask.device) * loss_mask
 
 
@@ -189,4 +195,4 @@ def turn_returns_advantages(
     mean, std, _ = _group_stats(first, group_ids.cpu())
     per_turn = [[float((R - mean[i]) / (std[i] + eps)) for R in rets[i]] for i in range(len(rets))]
     base = (first - mean) / (std + eps)  # rows without turns: their episode advantage
-    return _spread(per_turn, turns, base, loss_mask)
+    return _spread(per_turn, turns, base, loss_mask, add_base=False)
