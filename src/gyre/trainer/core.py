@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gyre.checkpoint.resume import Checkpointer, check_parameters_finite
-from gyre.checkpoint.store import load_into, seed_everything
+from gyre.checkpoint.snapshot import load_into, seed_everything
 from gyre.config import Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state
