@@ -242,7 +242,7 @@ def _eval(cfg: Config, console: Any) -> int:
         print("gyre: eval needs model.path=<a Hugging Face folder>", file=sys.stderr)
         return 2
     from gyre import loop
-    from gyre.checkpoint.store import check_manifest
+    from gyre.checkpoint.files import check_manifest
 
     check_manifest(Path(cfg.model.path))  # a gyre-written folder must match its manifest
     run_dir, device = loop.setup(cfg)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gyre.checkpoint.files import write_file_atomically
 from gyre.checkpoint.resume import (
     Checkpointer,
     ResumePlan,
@@ -39,7 +40,7 @@ from gyre.checkpoint.resume import (
     preempt_if_requested,
     rewind_metrics,
 )
-from gyre.checkpoint.store import seed_everything, write_file_atomically
+from gyre.checkpoint.snapshot import seed_everything
 from gyre.config import Config, dump_config, resolve_run_dir
 from gyre.errors import ensure_writable_dir
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_device

@@ -24,8 +24,9 @@ import gyre.rollout.core
 import gyre.runners
 import gyre.trainer.core
 import gyre.trainer.sft
+from gyre.checkpoint.files import verify_dir
 from gyre.checkpoint.resume import EXIT_ABORTED, EXIT_FAULTS, EXIT_PREEMPTED, Preempted
-from gyre.checkpoint.store import CheckpointStore, set_fault_hook, verify_dir
+from gyre.checkpoint.store import CheckpointStore, set_fault_hook
 from gyre.cli import main
 from gyre.commands.verify_resume import _ForkProc, compare_runs, verify_resume
 from gyre.config import load_config

@@ -13,27 +13,29 @@ import pytest
 import torch
 
 import gyre
-from gyre.checkpoint.store import (
-    MANIFEST_FILE,
-    STATE_FILE,
-    CheckpointError,
+from gyre.checkpoint.files import MANIFEST_FILE, verify_dir, write_manifest
+from gyre.checkpoint.identity import (
     CheckpointMismatchError,
-    CheckpointStore,
-    Snapshot,
     check_config,
     check_model,
-    checkpoint_dir,
     config_hash,
-    find_resume,
-    list_checkpoints,
+)
+from gyre.checkpoint.snapshot import (
+    STATE_FILE,
+    Snapshot,
     load_checkpoint_state,
     load_into,
-    newest_valid,
     save,
     save_checkpoint,
+)
+from gyre.checkpoint.store import (
+    CheckpointError,
+    CheckpointStore,
+    checkpoint_dir,
+    find_resume,
+    list_checkpoints,
+    newest_valid,
     set_fault_hook,
-    verify_dir,
-    write_manifest,
 )
 from gyre.config import load_config
 

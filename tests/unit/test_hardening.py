@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from gyre.checkpoint.files import check_manifest, write_manifest
+from gyre.checkpoint.identity import config_hash
 from gyre.checkpoint.resume import FaultAbort, check_parameters_finite
+from gyre.checkpoint.snapshot import Snapshot, save
 from gyre.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
     NonFiniteError,
-    Snapshot,
-    check_manifest,
-    config_hash,
-    save,
     set_fault_hook,
-    write_manifest,
     write_model_dir,
 )
 from gyre.config import REDACTED, ConfigError, EngineConfig, dump_config, load_config

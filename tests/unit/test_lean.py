@@ -321,31 +321,32 @@ def test_shared_prefix_decode_attention_equals_per_row(tokenizer, make_tiny_mode
     those of per-row attention (shared_prefix_attention=False) and of the HF forward, with rows of a
     group finishing at different steps (compaction re-indexes the groups)."""
     import gyre.models.lean as lean_mod
+    import gyre.models.lean_decode as decode_mod
 
     model = make_tiny_model(seed=21, sharp=True)
     texts = ["#.A..\n#####\nu3l1>", "..A..\n.#.#.\nd1>", "12-3=456+"]
     prompts = [
         [tokenizer.bos_token_id, *tokenizer.encode(t, add_special_tokens=False)] for t in texts
     ]
-    assert min(len(p) for p in prompts) >= lean_mod.SHARED_PREFIX_MIN
+    assert min(len(p) for p in prompts) >= decode_mod.SHARED_PREFIX_MIN
     reqs = [GenerationRequest(p, seed=10 * k + j) for k, p in enumerate(prompts) for j in range(5)]
     stop = tuple(tokenizer.encode("1.", add_special_tokens=False))
     params = SamplingParams(1.0, 1.0, 12, stop)
     calls = []
-    real = lean_mod._shared_prefix_attention
+    real = lean_mod.cascade_attention  # patched where LeanForward.hidden calls it
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(lean_mod, "_shared_prefix_attention", spy)
-    real_attend = lean_mod._Group.attend
+    monkeypatch.setattr(lean_mod, "cascade_attention", spy)
+    real_attend = decode_mod._Group.attend
 
     def spy_attend(*a, **k):
         calls.append(2)
         return real_attend(*a, **k)
 
-    monkeypatch.setattr(lean_mod._Group, "attend", spy_attend)
+    monkeypatch.setattr(decode_mod._Group, "attend", spy_attend)
     outs = {}
     for name, shared, lean in (
         ("shared", True, True),
@@ -392,8 +393,8 @@ def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model,
     lazily written snapshot, compaction writes the live rows back to the per-row layout, and
     follow-up turns continue the parked caches: every completion equals the HF-forward engine
     generating that prompt alone."""
-    import gyre.engines.torch_engine as te
-    import gyre.models.lean as lean_mod
+    import gyre.engines.kv_batch as kv_batch
+    import gyre.models.lean_decode as decode_mod
 
     model = make_tiny_model(seed=22, sharp=True)
     texts = ["#.A..\n#####\nu3l1>", "12-3=456+", "#.A..\n#####\nu3l1>"]  # a task drawn twice
@@ -402,7 +403,7 @@ def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model,
     ]
     G = 4
     used = {"attend": 0, "snapshot_written": 0}
-    real_attend, real_mat = lean_mod._Group.attend, te._Snapshot._materialize
+    real_attend, real_mat = decode_mod._Group.attend, kv_batch.KVSnapshot._materialize
 
     def attend(*a, **k):
         used["attend"] += 1
@@ -412,8 +413,8 @@ def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model,
         used["snapshot_written"] += self._groups is not None
         return real_mat(self)
 
-    monkeypatch.setattr(lean_mod._Group, "attend", attend)
-    monkeypatch.setattr(te._Snapshot, "_materialize", materialize)
+    monkeypatch.setattr(decode_mod._Group, "attend", attend)
+    monkeypatch.setattr(kv_batch.KVSnapshot, "_materialize", materialize)
     params = SamplingParams(1.0, 1.0, 6, tuple(tokenizer.encode("1.", add_special_tokens=False)))
     obs = tokenizer.encode("\n#.>", add_special_tokens=False)
     n = len(prompts) * G
@@ -450,7 +451,7 @@ def test_grouped_decode_parks_compacts_and_continues(tokenizer, make_tiny_model,
 def test_grouped_decode_switches_to_rows_after_max_steps(tokenizer, make_tiny_model, monkeypatch):
     """Past GROUP_MAX_STEPS decode steps a grouped cache is written back to the per-row layout
     mid-decode; tokens and log-probs stay those of per-row attention."""
-    import gyre.models.lean as lean_mod
+    import gyre.models.lean_decode as decode_mod
 
     model = make_tiny_model(seed=23, sharp=True)
     texts = ["#.A..\n#####\nu3l1>", "12-3=456+"]
@@ -459,15 +460,15 @@ def test_grouped_decode_switches_to_rows_after_max_steps(tokenizer, make_tiny_mo
     ]
     reqs = [GenerationRequest(p, seed=10 * k + j) for k, p in enumerate(prompts) for j in range(4)]
     params = SamplingParams(1.0, 1.0, 10, ())
-    monkeypatch.setattr(lean_mod, "GROUP_MAX_STEPS", 3)
+    monkeypatch.setattr(decode_mod, "GROUP_MAX_STEPS", 3)
     steps = []
-    real = lean_mod._Group.attend
+    real = decode_mod._Group.attend
 
     def attend(self, *a, **k):
         steps.append(self.steps)
         return real(self, *a, **k)
 
-    monkeypatch.setattr(lean_mod._Group, "attend", attend)
+    monkeypatch.setattr(decode_mod._Group, "attend", attend)
     grouped = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id).generate(reqs, params)
     assert steps and max(steps) == 2  # steps 0, 1, 2 grouped, then per-row
     rows = TorchEngine(
@@ -517,7 +518,7 @@ def test_engine_forked_groups_on_gqa_models(name, monkeypatch):
     """Grouped-query attention decodes forked groups in the grouped layout too (a key/value
     head's query heads and samples in one matmul); tokens and log-probs equal the HF
     forward's."""
-    import gyre.models.lean as lean_mod
+    import gyre.models.lean_decode as decode_mod
 
     model = _sharp(copy.deepcopy(MODELS[name]), seed=5)
     g = torch.Generator().manual_seed(1)
@@ -525,13 +526,13 @@ def test_engine_forked_groups_on_gqa_models(name, monkeypatch):
     reqs = [GenerationRequest(p, seed=10 * k + j) for k, p in enumerate(prompts) for j in range(3)]
     params = SamplingParams(1.0, 1.0, 20, ())  # past the group's first capacity (16 steps)
     reps = []
-    real = lean_mod._Group.attend
+    real = decode_mod._Group.attend
 
     def attend(self, q, k, *a, **kw):
         reps.append(q.shape[1] // k.shape[1])
         return real(self, q, k, *a, **kw)
 
-    monkeypatch.setattr(lean_mod._Group, "attend", attend)
+    monkeypatch.setattr(decode_mod._Group, "attend", attend)
     lean = TorchEngine(copy.deepcopy(model), 0).generate(reqs, params)
     assert reps and set(reps) == {2}  # 4 query heads on 2 key/value heads, grouped
     hf = TorchEngine(copy.deepcopy(model), 0, lean_forward=False).generate(reqs, params)
@@ -544,9 +545,9 @@ def test_engine_forked_groups_on_gqa_models(name, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(256, 1, 13), (32, 8, 5), (4, 1, 7), (128, 1, 24)])
 def test_attention_softmax_padding_is_exact(shape):
-    """lean._softmax pads short score rows to 16 columns of -inf (torch's fast CPU path):
+    """lean_decode._softmax pads short score rows to 16 columns of -inf (torch's fast CPU path):
     the same probabilities as softmax, also with masked (dtype min) and fully masked rows."""
-    from gyre.models.lean import _softmax
+    from gyre.models.lean_decode import _softmax
 
     g = torch.Generator().manual_seed(0)
     s = torch.randn(*shape, generator=g) * 4

@@ -102,11 +102,11 @@ def _group_requests(tokenizer) -> list[GenerationRequest]:
 def test_shared_prefix_attention_switch_reaches_decode(tokenizer, make_tiny_model, monkeypatch):
     """perf.shared_prefix_attention=false: a forked group never takes the grouped decode layout
     (spied on), and the sampled tokens are the same."""
-    import gyre.models.lean as lean_mod
+    from gyre.models.lean_decode import _Group
 
     calls = []
-    real = lean_mod._Group.attend
-    monkeypatch.setattr(lean_mod._Group, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = _Group.attend
+    monkeypatch.setattr(_Group, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = make_tiny_model(seed=21, sharp=True)
     params = SamplingParams(1.0, 1.0, 6, ())
     outs = {}

@@ -32,21 +32,16 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from gyre.checkpoint.files import MANIFEST_FILE, verify_dir
+from gyre.checkpoint.identity import check_config, check_model, config_hash
+from gyre.checkpoint.snapshot import STATE_FILE, Snapshot, save
 from gyre.checkpoint.store import (
     GRPO_PREFIX,
-    MANIFEST_FILE,
     SFT_PREFIX,
-    STATE_FILE,
     CheckpointError,
     CheckpointStore,
     NonFiniteError,
-    Snapshot,
-    check_config,
-    check_model,
-    config_hash,
     newest_valid,
-    save,
-    verify_dir,
 )
 
 log = logging.getLogger("gyre.checkpoint.resume")

@@ -15,12 +15,8 @@ from pathlib import Path
 
 import torch
 
-from gyre.checkpoint.store import (
-    CheckpointError,
-    check_finite,
-    check_manifest,
-    list_checkpoints,
-)
+from gyre.checkpoint.files import check_manifest
+from gyre.checkpoint.store import CheckpointError, check_finite, list_checkpoints
 from gyre.config import Config, ConfigError, load_config
 from gyre.errors import InputError
 from gyre.models.build import load_pretrained

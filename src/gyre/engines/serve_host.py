@@ -5,7 +5,7 @@ goes through the same checks before it can change what is served:
 
 - the folder's ``manifest.json``, when it has one (``final/``, ``sft/`` and checkpoint folders
   written by :mod:`gyre.checkpoint.store`), must match its files (sizes and sha256), checked
-  with the store's own :func:`~gyre.checkpoint.store.verify_dir`;
+  with the store's own :func:`~gyre.checkpoint.files.verify_dir`;
 - every ``*.safetensors`` file must parse (a truncated file is refused naming the file);
 - every floating-point tensor must be finite (a NaN or inf weight is refused naming the tensor).
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gyre.checkpoint.store import MANIFEST_FILE, verify_dir
+from gyre.checkpoint.files import MANIFEST_FILE, verify_dir
 from gyre.engines.serve_requests import ApiError, Vocab
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.build import load_pretrained

@@ -1,12 +1,7 @@
 """An in-process engine: continuous batching over a Hugging Face model and its KV cache.
 
-Cache layout. The live rows share one ``DynamicCache`` of width L; ``colmask`` (B, L) marks the
-columns that hold a real token of each row. Rows may have masked holes (a row admitted into a
-wider batch, tokens appended after other rows' longer prefills); holes get attention-mask 0 and
-do not advance the row's position ids, so a row's positions are exactly those of its unpadded
-sequence (what the trainer sees). Keys are cached after RoPE, so real columns can be moved left
-(:meth:`_Batch.defrag`) without changing anything. Every query can attend to at least one real
-column of its own row, so sdpa never sees a fully masked row (which would give NaN).
+The cache layout (one ``DynamicCache`` shared by the live rows, a column mask with holes) and
+the batch and snapshot bookkeeping are in :mod:`gyre.engines.kv_batch`.
 
 What is saved, each measurable on its own (``bench/rollout.py --engine-flags``):
 
@@ -42,169 +37,20 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import safetensors.torch
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from gyre.models.lean import LeanForward, lean_for, select_kv_rows, ungroup_cache
+from gyre.engines.kv_batch import DecodeBatch, Parked, Row, gather_parked
+from gyre.models.lean import LeanForward, lean_for
 from gyre.models.sampling import sample_tokens_keyed, sampling_logprobs
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 OnComplete = Callable[[int, Completion], GenerationRequest | None]
 """Callback of :meth:`TorchEngine.generate_continuous`: (request index, completion) -> an
 optional follow-up request (admitted at once) or None."""
-
-
-def _new_cache(model: torch.nn.Module) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise TypeError(
-            "TorchEngine needs a model whose DynamicCache has only plain DynamicLayer layers "
-            "(sliding-window / hybrid models are not supported)"
-        )
-    return cache
-
-
-class _Snapshot:
-    """The cache tensors of a batch at one step. Cache tensors are never written in place (every
-    append, gather or merge makes new ones; the lean forward's buffers only ever write columns
-    past the ones any view holds), so holding references is a free, immutable copy. Layers in
-    the lean forward's grouped decode layout are held as (group, steps) and written out in the
-    per-row layout only when a parked session is continued (most never are: a finished
-    single-turn episode is released at once)."""
-
-    def __init__(
-        self,
-        keys: list[torch.Tensor | None],
-        values: list[torch.Tensor | None],
-        colmask: torch.Tensor,
-        groups: list[tuple[Any, int] | None] | None = None,
-    ) -> None:
-        self._keys, self._values, self.colmask = keys, values, colmask  # (B, H, L, D), (B, L)
-        self._groups = groups
-
-    def _materialize(self) -> None:
-        if self._groups is None:
-            return
-        for li, held in enumerate(self._groups):
-            if held is not None:
-                group, steps = held
-                _, _, self._keys[li], self._values[li] = group.standard(steps)
-        self._groups = None
-
-    @property
-    def keys(self) -> list[torch.Tensor]:
-        self._materialize()
-        return self._keys  # type: ignore[return-value]
-
-    @property
-    def values(self) -> list[torch.Tensor]:
-        self._materialize()
-        return self._values  # type: ignore[return-value]
-
-
-@dataclass
-class _Parked:
-    """A finished session's cache: row ``row`` of a snapshot (no copy until it is re-admitted)."""
-
-    fed: list[int]
-    snap: _Snapshot
-    row: int
-
-
-@dataclass
-class _Row:
-    index: int  # position of the request in the results
-    session: Hashable | None
-    seed: int
-    fed: list[int]  # tokens whose keys/values are in the cache
-    out_ids: list[int] = field(default_factory=list)
-    out_lp: list[float] = field(default_factory=list)
-    out_top: list[dict[int, float]] = field(default_factory=list)
-    done: bool = False
-    reason: str = "length"
-
-
-class _Batch:
-    """The live rows, their shared cache, column mask and next-token logits."""
-
-    def __init__(
-        self, cache: DynamicCache, colmask: torch.Tensor, rows: list[_Row], logits: torch.Tensor
-    ) -> None:
-        self.cache, self.colmask, self.rows, self.logits = cache, colmask, rows, logits
-
-    def _layers(self) -> list[DynamicLayer]:
-        return self.cache.layers
-
-    def select(self, keep: list[int], group: bool = True) -> None:
-        """Keep rows ``keep`` (repeats fork them); ``group``: see :func:`select_kv_rows`."""
-        idx = torch.tensor(keep, device=self.colmask.device)
-        for layer in self._layers():
-            if layer.is_initialized:
-                select_kv_rows(layer, idx, group=group)
-        self.colmask = self.colmask.index_select(0, idx)
-        self.logits = self.logits.index_select(0, idx)
-        self.rows = [self.rows[i] for i in keep]
-
-    def plain(self) -> None:
-        """Per-row cache layout in every layer (the lean forward's grouped decode layout serves
-        one-token decode steps only; everything else here reads per-row keys/values)."""
-        ungroup_cache(self.cache)
-
-    def snapshot(self) -> _Snapshot:
-        layers = self._layers()
-        held = [getattr(la, "_gyre_group", None) for la in layers]
-        groups = [None if g is None else (g, g.steps) for g in held]
-        return _Snapshot(
-            [la.keys for la in layers],
-            [la.values for la in layers],
-            self.colmask,
-            groups if any(g is not None for g in held) else None,
-        )
-
-    def widen(self, width: int) -> None:
-        extra = width - self.colmask.shape[1]
-        if extra <= 0:
-            return
-        self.plain()
-        for layer in self._layers():
-            if layer.is_initialized:
-                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
-                layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
-        self.colmask = torch.nn.functional.pad(self.colmask, (0, extra))
-
-    def merge(self, other: _Batch) -> None:
-        """Append ``other``'s rows (the narrower one gets masked columns on the right)."""
-        width = max(self.colmask.shape[1], other.colmask.shape[1])
-        self.plain()
-        other.plain()
-        self.widen(width)
-        other.widen(width)
-        for a, b in zip(self._layers(), other._layers(), strict=True):
-            a.keys = torch.cat([a.keys, b.keys], dim=0)
-            a.values = torch.cat([a.values, b.values], dim=0)
-        self.colmask = torch.cat([self.colmask, other.colmask], dim=0)
-        self.logits = torch.cat([self.logits, other.logits], dim=0)
-        self.rows += other.rows
-
-    def defrag(self) -> None:
-        """Move every row's real columns to the left and drop the all-hole tail."""
-        self.plain()
-        counts = self.colmask.sum(dim=1)
-        width = int(counts.max())
-        order = torch.sort(self.colmask, dim=1, descending=True, stable=True).indices[:, :width]
-        for layer in self._layers():
-            B, H, _, D = layer.keys.shape
-            idx = order[:, None, :, None].expand(B, H, width, D)
-            layer.keys = layer.keys.gather(2, idx)
-            layer.values = layer.values.gather(2, idx)
-        self.colmask = (torch.arange(width, device=counts.device)[None] < counts[:, None]).long()
 
 
 class TorchEngine:
@@ -259,7 +105,7 @@ class TorchEngine:
         self.lean_forward = lean_forward
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
-        self._parked: dict[Hashable, _Parked] = {}
+        self._parked: dict[Hashable, Parked] = {}
         self.stats = {
             "prefill_tokens": 0,  # real tokens pushed through prefill forwards
             "decode_tokens": 0,  # real tokens pushed through decode forwards
@@ -402,66 +248,16 @@ class TorchEngine:
 
         for r in requests:
             enqueue(r)
-        batch: _Batch | None = None
+        batch: DecodeBatch | None = None
         limit = self.max_batch_size or (1 << 62)
         while waiting or batch is not None:
-            live = 0 if batch is None else len(batch.rows)
-            can_admit = limit - live if self.compaction or batch is None else 0
-            # An admission costs a prefill forward of its own; on a small model the forward's
-            # fixed cost dominates, so admit in bunches: when the batch is empty, slots are
-            # short, or at least ``admit_ratio`` x as many requests wait as rows run.
-            worth = (
-                batch is None
-                or len(waiting) >= can_admit
-                or len(waiting) >= self.admit_ratio * live
-            )
-            if waiting and can_admit > 0 and worth:
-                admit = [waiting.popleft() for _ in range(min(can_admit, len(waiting)))]
-                fresh = self._admit(admit)
-                if batch is None:
-                    batch = fresh
-                else:
-                    batch.merge(fresh)
-            assert batch is not None
+            batch = self._admit_waiting(batch, waiting, limit)
             pending = [i for i, row in enumerate(batch.rows) if not row.done]
             self._sample(batch, pending, params, stop)
             finished = [i for i in pending if batch.rows[i].done]
-            follow: list[GenerationRequest] = []
-            parks = any(batch.rows[i].session is not None for i in finished)
-            snap = batch.snapshot() if parks else None
-            for i in finished:
-                row = batch.rows[i]
-                if row.session is not None:
-                    assert snap is not None
-                    self._parked[row.session] = _Parked(list(row.fed), snap, i)
-                comp = Completion(
-                    row.out_ids,
-                    row.out_lp,
-                    row.reason,
-                    row.out_top if params.top_logprobs > 0 else None,
-                )
-                results[row.index] = comp
-                if on_complete is not None:
-                    nxt = on_complete(row.index, comp)
-                    if nxt is not None:
-                        follow.append(nxt)
-            for req in follow:
+            for req in self._finish(batch, finished, params, results, on_complete):
                 enqueue(req)
-            if self.compaction:
-                keep = [i for i, row in enumerate(batch.rows) if not row.done]
-                if not keep:
-                    batch = None
-                    continue
-                # Dropping rows is a gather of every kept row's cache; it pays once enough
-                # rows are done (a done row left in place costs one masked column a step), or
-                # at once when waiting requests need the slots.
-                done = len(batch.rows) - len(keep)
-                if done and (
-                    done >= self.compact_min * len(batch.rows)
-                    or (waiting and len(batch.rows) >= limit)
-                ):
-                    batch.select(keep, self.shared_prefix_attention)
-            elif all(row.done for row in batch.rows):
+            if not self._compact(batch, bool(waiting), limit):
                 batch = None
                 continue
             chunk = [[] if row.done else [row.out_ids[-1]] for row in batch.rows]
@@ -471,8 +267,83 @@ class TorchEngine:
                 batch.defrag()
         return [results[i] for i in range(counter)]
 
+    def _admit_waiting(
+        self,
+        batch: DecodeBatch | None,
+        waiting: deque[tuple[int, GenerationRequest, int]],
+        limit: int,
+    ) -> DecodeBatch:
+        """Admit waiting requests into ``batch`` (None: start one) when a prefill is worth it;
+        return the batch to decode."""
+        live = 0 if batch is None else len(batch.rows)
+        can_admit = limit - live if self.compaction or batch is None else 0
+        # An admission costs a prefill forward of its own; on a small model the forward's
+        # fixed cost dominates, so admit in bunches: when the batch is empty, slots are
+        # short, or at least ``admit_ratio`` x as many requests wait as rows run.
+        worth = (
+            batch is None or len(waiting) >= can_admit or len(waiting) >= self.admit_ratio * live
+        )
+        if waiting and can_admit > 0 and worth:
+            admit = [waiting.popleft() for _ in range(min(can_admit, len(waiting)))]
+            fresh = self._admit(admit)
+            if batch is None:
+                batch = fresh
+            else:
+                batch.merge(fresh)
+        assert batch is not None
+        return batch
+
+    def _finish(
+        self,
+        batch: DecodeBatch,
+        finished: list[int],
+        params: SamplingParams,
+        results: dict[int, Completion],
+        on_complete: OnComplete | None,
+    ) -> list[GenerationRequest]:
+        """Record the completions of rows ``finished`` (parking the rows of a session); return
+        the follow-up requests ``on_complete`` asks for, in order."""
+        follow: list[GenerationRequest] = []
+        parks = any(batch.rows[i].session is not None for i in finished)
+        snap = batch.snapshot() if parks else None
+        for i in finished:
+            row = batch.rows[i]
+            if row.session is not None:
+                assert snap is not None
+                self._parked[row.session] = Parked(list(row.fed), snap, i)
+            comp = Completion(
+                row.out_ids,
+                row.out_lp,
+                row.reason,
+                row.out_top if params.top_logprobs > 0 else None,
+            )
+            results[row.index] = comp
+            if on_complete is not None:
+                nxt = on_complete(row.index, comp)
+                if nxt is not None:
+                    follow.append(nxt)
+        return follow
+
+    def _compact(self, batch: DecodeBatch, waiting: bool, limit: int) -> bool:
+        """After a step: drop the finished rows of ``batch`` when that pays (compaction on);
+        False when no row is left to decode."""
+        if self.compaction:
+            keep = [i for i, row in enumerate(batch.rows) if not row.done]
+            if not keep:
+                return False
+            # Dropping rows is a gather of every kept row's cache; it pays once enough
+            # rows are done (a done row left in place costs one masked column a step), or
+            # at once when waiting requests need the slots.
+            done = len(batch.rows) - len(keep)
+            if done and (
+                done >= self.compact_min * len(batch.rows) or (waiting and len(batch.rows) >= limit)
+            ):
+                batch.select(keep, self.shared_prefix_attention)
+            return True
+        return not all(row.done for row in batch.rows)
+
     def _sample(
-        self, batch: _Batch, pending: list[int], params: SamplingParams, stop: set[int]
+        self, batch: DecodeBatch, pending: list[int], params: SamplingParams, stop: set[int]
     ) -> None:
         rows = [batch.rows[i] for i in pending]
         logits = batch.logits if len(pending) == len(batch.rows) else batch.logits[pending]
@@ -497,14 +368,14 @@ class TorchEngine:
             elif len(row.out_ids) >= params.max_new_tokens:
                 row.done = True
 
-    def _admit(self, items: list[tuple[int, GenerationRequest, int]]) -> _Batch:
+    def _admit(self, items: list[tuple[int, GenerationRequest, int]]) -> DecodeBatch:
         """Prefill newly admitted requests as their own batch (to be merged into the live one).
 
         A request continuing a parked session starts from the parked columns and prefills only
         the new suffix; identical fresh prompts are prefilled once and forked.
         """
         uniq: dict[tuple[int, ...], int] = {}
-        sources: list[tuple[_Parked | None, list[int]]] = []  # per prefill row
+        sources: list[tuple[Parked | None, list[int]]] = []  # per prefill row
         row_of: list[int] = []  # per item: its prefill row
         for _, req, _ in items:
             parked = self._parked.get(req.session) if req.session is not None else None
@@ -522,85 +393,20 @@ class TorchEngine:
             uniq[key] = len(sources)
             row_of.append(len(sources))
             sources.append((None, list(req.prompt_ids)))
-        cache, colmask = self._gather_parked(sources)
-        proto = [_Row(-1, None, 0, list(p.fed) if p is not None else []) for p, _ in sources]
-        pre = _Batch(cache, colmask, proto, torch.empty(0))
+        cache, colmask = gather_parked(self.model, sources, self.device)
+        proto = [Row(-1, None, 0, list(p.fed) if p is not None else []) for p, _ in sources]
+        pre = DecodeBatch(cache, colmask, proto, torch.empty(0))
         chunk = [prompt[len(proto[j].fed) :] for j, (_, prompt) in enumerate(sources)]
         pre.logits = self._feed(pre, chunk)
         if len(sources) != len(items) or row_of != list(range(len(items))):
             # fork shared prefills G ways (a row gather of the cache)
             pre.select(row_of, self.shared_prefix_attention)
         pre.rows = [
-            _Row(index, req.session, seed, list(req.prompt_ids)) for index, req, seed in items
+            Row(index, req.session, seed, list(req.prompt_ids)) for index, req, seed in items
         ]
         return pre
 
-    def _gather_parked(
-        self, sources: list[tuple[_Parked | None, list[int]]]
-    ) -> tuple[DynamicCache, torch.Tensor]:
-        """The cache of an admission batch: parked rows gathered from their snapshots (one
-        gather per snapshot and layer, none at all when a whole snapshot comes back in order),
-        fresh rows empty. Columns are padded (masked) to the widest snapshot."""
-        cache = _new_cache(self.model)
-        groups: dict[int, list[int]] = {}  # id(snapshot) -> source rows
-        for j, (p, _) in enumerate(sources):
-            if p is not None:
-                groups.setdefault(id(p.snap), []).append(j)
-        if not groups:
-            return cache, torch.zeros(len(sources), 0, dtype=torch.long, device=self.device)
-        parts: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = []
-        for rows in groups.values():
-            snap = sources[rows[0]][0].snap  # type: ignore[union-attr]
-            idx = [sources[j][0].row for j in rows]  # type: ignore[union-attr]
-            if idx == list(range(snap.colmask.shape[0])):
-                parts.append((rows, snap.keys, snap.values, snap.colmask))
-            else:
-                t = torch.tensor(idx, device=self.device)
-                parts.append(
-                    (
-                        rows,
-                        [k.index_select(0, t) for k in snap.keys],
-                        [v.index_select(0, t) for v in snap.values],
-                        snap.colmask.index_select(0, t),
-                    )
-                )
-        width = max(part[3].shape[1] for part in parts)
-        n_fresh = sum(1 for p, _ in sources if p is None)
-        order = [j for part in parts for j in part[0]] + [
-            j for j, (p, _) in enumerate(sources) if p is None
-        ]
-        pad = torch.nn.functional.pad
-        n_layers = len(parts[0][1])
-        for li in range(n_layers):
-            ks, vs = [], []
-            for _, keys, values, cm in parts:
-                extra = width - cm.shape[1]
-                ks.append(pad(keys[li], (0, 0, 0, extra)) if extra else keys[li])
-                vs.append(pad(values[li], (0, 0, 0, extra)) if extra else values[li])
-            if n_fresh:
-                _, H, _, D = ks[0].shape
-                ks.append(ks[0].new_zeros(n_fresh, H, width, D))
-                vs.append(vs[0].new_zeros(n_fresh, H, width, D))
-            k = ks[0] if len(ks) == 1 else torch.cat(ks, dim=0)
-            v = vs[0] if len(vs) == 1 else torch.cat(vs, dim=0)
-            layer = cache.layers[li]
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v  # no copy: nothing writes cache tensors in place
-        masks = [pad(cm, (0, width - cm.shape[1])) for *_, cm in parts]
-        if n_fresh:
-            masks.append(masks[0].new_zeros(n_fresh, width))
-        colmask = masks[0] if len(masks) == 1 else torch.cat(masks, dim=0)
-        if order != list(range(len(sources))):
-            inv = torch.empty(len(order), dtype=torch.long)
-            inv[torch.tensor(order)] = torch.arange(len(order))
-            inv = inv.to(self.device)
-            for layer in cache.layers:
-                layer.keys = layer.keys.index_select(0, inv)
-                layer.values = layer.values.index_select(0, inv)
-            colmask = colmask.index_select(0, inv)
-        return cache, colmask
-
-    def _feed(self, batch: _Batch, chunk: list[list[int]]) -> torch.Tensor:
+    def _feed(self, batch: DecodeBatch, chunk: list[list[int]]) -> torch.Tensor:
         """Append one right-padded chunk of tokens per row; return each row's last logits.
 
         A row with an empty chunk gets a masked pad column and its returned logits are unused.

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre.checkpoint.store import MANIFEST_FILE, list_checkpoints
+from gyre.checkpoint.files import MANIFEST_FILE
+from gyre.checkpoint.store import list_checkpoints
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server

@@ -27,7 +27,7 @@ import torch
 from gyre.algos.advantages import NEEDS_TURNS, WHITENS
 from gyre.algos.turns import Turns
 from gyre.checkpoint.resume import Checkpointer, check_parameters_finite
-from gyre.checkpoint.store import load_into, seed_everything
+from gyre.checkpoint.snapshot import load_into, seed_everything
 from gyre.config import AlgoConfig, Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state

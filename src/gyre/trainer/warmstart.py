@@ -24,7 +24,8 @@ from gyre.checkpoint.resume import (
     preempt_if_requested,
     rewind_metrics,
 )
-from gyre.checkpoint.store import load_into, write_model_dir
+from gyre.checkpoint.snapshot import load_into
+from gyre.checkpoint.store import write_model_dir
 from gyre.config import Config
 from gyre.envs import env_factory
 from gyre.models.build import load_pretrained
