@@ -563,7 +563,12 @@ def chunked_token_logprobs(
                 input_ids=ids_in, attention_mask=mask_in, use_cache=False
             ).last_hidden_state
         src_row, src_col = row_in, t_idx - 1
-    h = hidden[src_row, src_col]  # (N, H): the state that predicts token (b, t)
+    # (N, H): the state that predicts token (b, t). Tree packing repeats positions (a shared
+    # prefix's last state predicts every suffix's first token); the backward of advanced
+    # indexing (index_put_ accumulate) adds repeats with parallel atomics at > 1 thread, in a
+    # varying order, while index_select's (index_add_) adds them serially: bitwise
+    # reproducible at any thread count, and the same bits as indexing at one thread.
+    h = hidden.flatten(0, 1).index_select(0, src_row * hidden.shape[1] + src_col)
     targets = input_ids[b_idx, t_idx]
     N = h.shape[0]
     step = opts.chunk if opts.chunk > 0 else max(N, 1)
