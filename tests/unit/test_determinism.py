@@ -18,7 +18,9 @@ from gyre.trainer.update import GRPOSettings, policy_update
 from gyre.types import Trajectory
 
 
-def _repeated_gather(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _repeated_gather(
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A (4, 300, 64) hidden tensor, 2000 positions drawn from 60 (heavy repeats) and an
     upstream gradient: N x H = 128000 elements, past torch's parallel grain (32768)."""
     g = torch.Generator().manual_seed(seed)

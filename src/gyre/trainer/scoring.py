@@ -490,9 +490,7 @@ def chunked_token_logprobs(
     need[:, 0] = False
     if score_mask is not None:
         if score_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"score_mask has shape {tuple(score_mask.shape)}, input_ids {(B, T)}"
-            )
+            raise ValueError(f"score_mask has shape {tuple(score_mask.shape)}, input_ids {(B, T)}")
         need &= score_mask.bool()
     b_idx, t_idx = need.nonzero(as_tuple=True)
     # Inputs row b needs: positions 0 .. (last scored t) - 1
