@@ -427,6 +427,19 @@ def _score_chunk(
     return tok, ent
 
 
+def gather_states(hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``hidden[rows, cols]`` (N, H) of a (R, W, H) tensor, with a reproducible backward.
+
+    Tree packing repeats positions (a shared prefix's last state predicts the first token of
+    every suffix). The backward of advanced indexing, ``index_put_(accumulate=True)``, adds
+    float gradients with parallel atomics on CPU at more than one thread, so repeated rows sum
+    in a varying order and the bits change from run to run. ``index_select``'s backward
+    (``index_add_``) adds them serially in index order: the same bits at any thread count, and
+    the same as advanced indexing at one thread.
+    """
+    return hidden.flatten(0, 1).index_select(0, rows * hidden.shape[1] + cols)
+
+
 def chunked_token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -545,7 +558,7 @@ def chunked_token_logprobs(
                 input_ids=ids_in, attention_mask=mask_in, use_cache=False
             ).last_hidden_state
         src_row, src_col = row_in, t_idx - 1
-    h = hidden[src_row, src_col]  # (N, H): the state that predicts token (b, t)
+    h = gather_states(hidden, src_row, src_col)  # (N, H): the state that predicts (b, t)
     targets = input_ids[b_idx, t_idx]
     N = h.shape[0]
     step = opts.chunk if opts.chunk > 0 else max(N, 1)
