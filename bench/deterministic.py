@@ -41,7 +41,8 @@ import gyre.trainer.scoring as scoring
 from gyre.config import Config, load_config
 from gyre.models.build import create_tiny_checkpoint, load_pretrained
 from gyre.trainer.batch import collate
-from gyre.trainer.update import batch_advantages, policy_update, prepare_batch, settings_from_config
+from gyre.trainer.scoring import ScoringOptions
+from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
 from gyre.types import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,13 +58,14 @@ def grpo_update(
 ) -> None:
     """Phases 3-4 of a GRPO step, as the loop runs them: collate, old-logprob recompute,
     GRPO advantages, the policy update."""
-    settings = settings_from_config(cfg.train)
+    train, scoring = cfg.train, ScoringOptions.from_perf(cfg.perf)
     batch = collate(trajs, 0, torch.device("cpu"))
-    prepare_batch(model, batch, settings)
+    prepare_batch(model, batch, train, scoring=scoring)
     rewards = torch.tensor([t.reward for t in trajs])
     groups = torch.tensor([t.group_id for t in trajs])
-    adv, _ = batch_advantages(cfg.train.algo.advantage, rewards, groups, batch, settings)
-    policy_update(model, opt, batch, adv, settings, generator=torch.Generator().manual_seed(1))
+    adv, _ = batch_advantages(cfg.train.algo.advantage, rewards, groups, batch, train)
+    gen = torch.Generator().manual_seed(1)
+    policy_update(model, opt, batch, adv, train, generator=gen, scoring=scoring)
 
 
 def maze_like_batch(tasks: int, group: int, prompt: int, seed: int = 0) -> list[Trajectory]:

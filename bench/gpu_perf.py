@@ -27,10 +27,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rollout as rb  # bench/rollout.py (gpu_check.py puts bench/ on sys.path)
 from gyre.algos import grpo_advantages
+from gyre.config import TrainConfig
 from gyre.engines import TorchEngine
 from gyre.trainer import scoring
 from gyre.trainer.batch import collate
-from gyre.trainer.sft import GRPOSettings, grpo_update
+from gyre.trainer.update import policy_update as grpo_update
 from gyre.types import GenerationRequest, SamplingParams, Trajectory
 
 FLOPS_FORMULA = (
@@ -284,8 +285,12 @@ def _rollout_trajs(
     return trajs, grpo_advantages(rewards, gids)
 
 
-def _update_settings(micro: int) -> GRPOSettings:
-    return GRPOSettings(mini_batches=1, micro_batch_size=micro, loss_agg="seq-mean-token-mean")
+def _update_settings(micro: int) -> TrainConfig:
+    """One optimizer step per batch on the engine's log-probs (the old GRPOSettings defaults)."""
+    return TrainConfig.model_validate(
+        {"mini_batches": 1, "micro_batch_size": micro, "loss_agg": "seq-mean-token-mean",
+         "algo": {"old_logprobs": "rollout"}}
+    )  # fmt: skip
 
 
 def grpo_step(ctx: Any) -> dict[str, Any]:

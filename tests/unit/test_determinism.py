@@ -14,8 +14,9 @@ import torch
 from gyre.trainer import scoring
 from gyre.trainer.batch import collate
 from gyre.trainer.scoring import gather_states
-from gyre.trainer.update import GRPOSettings, policy_update
+from gyre.trainer.update import policy_update
 from gyre.types import Trajectory
+from helpers import train_cfg
 
 
 def _repeated_gather(
@@ -73,7 +74,9 @@ def test_grpo_update_is_bitwise_reproducible_at_two_threads(make_tiny_model, mon
     model = make_tiny_model(seed=7, sharp=True)
     trajs = _groups()
     adv = torch.tensor([t.reward - 0.5 for t in trajs])
-    settings = GRPOSettings(micro_batch_size=64, loss_agg="seq-mean-token-mean")
+    settings = train_cfg(  # GRPOSettings' old defaults, stated
+        micro_batch_size=64, loss_agg="seq-mean-token-mean", mini_batches=1, old_logprobs="rollout"
+    )
     repeats = []
 
     def spy(hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from transformers import (
 from gyre.engines import TorchEngine
 from gyre.models.lean import LeanForward, _append_kv, lean_for, unsupported_reason
 from gyre.trainer.batch import collate, token_logprobs
-from gyre.trainer.scoring import ScoringOptions, pack_rows, plan_tree, tree_pack
+from gyre.trainer.packing import pack_rows, plan_tree, tree_pack
+from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.update import policy_update
 from gyre.types import GenerationRequest, SamplingParams, Trajectory
 from helpers import train_cfg

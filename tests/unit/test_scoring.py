@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gyre.trainer.batch import collate, token_logprobs
-from gyre.trainer.scoring import PACK_MIN_SAVING, ScoringOptions, pack_rows
+from gyre.trainer.packing import PACK_MIN_SAVING, pack_rows
+from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.update import policy_update
 from gyre.types import Trajectory
 from helpers import train_cfg
@@ -100,7 +101,7 @@ def test_prefix_groups_keep_each_prompt_group_whole():
     """A lone row sorted just before a group of rows sharing a 5-token prompt must not pull the
     group into a tree that shares only the first token (the greedy grouping did); two prompt
     groups sharing only their first tokens stay two trees."""
-    from gyre.trainer.scoring import _prefix_groups
+    from gyre.trainer.packing import _prefix_groups
 
     lone = [1, 2, 9, 9, 9, 9]
     group_a = [[1, 3, 4, 5, 6, 10 + k, 20] for k in range(8)]
@@ -114,7 +115,7 @@ def test_prefix_groups_keep_each_prompt_group_whole():
 
 
 def test_prefix_groups_respect_the_width_cap(monkeypatch):
-    import gyre.trainer.scoring as sc
+    import gyre.trainer.packing as sc
 
     monkeypatch.setattr(sc, "TREE_MAX_WIDTH", 20)
     rows = [[1, 2, 3, 4] + [5 + k] * 6 for k in range(8)]  # 8 rows of 10, prefix 4
@@ -188,7 +189,7 @@ def test_perf_keys_reach_the_trainer_scoring(monkeypatch, make_tiny_model):
 
 def test_perf_share_prefix_reaches_the_trainer_scoring(monkeypatch, make_tiny_model):
     """perf.share_prefix=false: a batch of groups sharing a prompt is not tree-packed."""
-    import gyre.trainer.scoring as sc
+    import gyre.trainer.packing as sc
 
     trees = []
     real = sc.tree_pack

@@ -37,7 +37,6 @@ section (:meth:`ScoringOptions.from_perf`; docs/performance.md): ``perf.pack``,
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gyre.models.lean import LeanForward, lean_for
 from gyre.models.sampling import sampling_logprobs
+from gyre.trainer.packing import PACK_MIN_SAVING, _ffd, pack_rows, packing_supported, plan_tree
 
 if TYPE_CHECKING:
     from gyre.config import PerfConfig
@@ -72,74 +72,6 @@ class ScoringOptions:
             share_prefix=perf.share_prefix,
             trim=perf.score_trim,
         )
-
-
-@dataclass
-class Packed:
-    """Trajectories packed into rows; ``row``/``offset`` say where row b of the batch went."""
-
-    input_ids: torch.Tensor  # (R, W) long
-    position_ids: torch.Tensor  # (R, W) long, restarting at 0 at every trajectory
-    row: torch.Tensor  # (B,) packed row of each trajectory
-    offset: torch.Tensor  # (B,) first column of each trajectory in its packed row
-
-    @property
-    def num_positions(self) -> int:
-        return int(self.input_ids.numel())
-
-
-def _ffd(lengths: list[int]) -> tuple[list[list[int]], list[int], list[int]]:
-    """First-fit decreasing into rows of the longest length: (bins, row, offset) per item."""
-    B = len(lengths)
-    width = max(lengths)
-    order = sorted(range(B), key=lambda i: -lengths[i])
-    bins: list[list[int]] = []
-    free: list[int] = []
-    row = [0] * B
-    offset = [0] * B
-    for i in order:
-        n = lengths[i]
-        for r, room in enumerate(free):  # noqa: B007 (r is used after the loop)
-            if room >= n:
-                break
-        else:
-            r = len(bins)
-            bins.append([])
-            free.append(width)
-        row[i], offset[i] = r, width - free[r]
-        bins[r].append(i)
-        free[r] -= n
-    return bins, row, offset
-
-
-def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) -> Packed:
-    """First-fit decreasing bin packing of the rows of a right-padded batch.
-
-    Row width W is the longest length, so no trajectory is split. The tail of a packed row is
-    padding with positions 0, 1, ... (a segment of its own that nothing reads).
-    """
-    bins, row, offset = _ffd(lengths)
-    width = max(lengths)
-    rows = input_ids.tolist()  # built as lists, converted once (per-row tensor ops cost more)
-    ids_l: list[list[int]] = []
-    pos_l: list[list[int]] = []
-    for members in bins:
-        ids_r: list[int] = []
-        pos_r: list[int] = []
-        for i in members:
-            n = lengths[i]
-            ids_r += rows[i][:n]
-            pos_r += range(n)
-        tail = width - len(ids_r)
-        ids_l.append(ids_r + [pad_token_id] * tail)
-        pos_l.append(pos_r + list(range(tail)))
-    dev = input_ids.device
-    return Packed(
-        torch.tensor(ids_l, dtype=torch.long, device=dev),
-        torch.tensor(pos_l, dtype=torch.long, device=dev),
-        torch.tensor(row, device=dev),
-        torch.tensor(offset, device=dev),
-    )
 
 
 def _fsdp_sharded(model: torch.nn.Module) -> bool:
@@ -170,244 +102,6 @@ def _head_and_body(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
     if dec is None or dec is model or not isinstance(head, torch.nn.Linear):
         return None
     return dec, head
-
-
-PACK_MIN_SAVING = 0.9
-"""Pack only when the packed batch has at most this fraction of the padded batch's positions."""
-
-_PACKING_OK: dict[tuple[type, str], bool] = {}
-
-
-def packing_supported(decoder: torch.nn.Module) -> bool:
-    """Whether ``decoder`` isolates packed segments (checked once per class and attention kind).
-
-    Packing relies on the model turning restarting position ids into a block-diagonal mask;
-    a model that ignores them would silently attend across trajectories, so this compares two
-    short sequences packed and alone before packing is ever used.
-    """
-    cfg = getattr(decoder, "config", None)
-    key = (type(decoder), str(getattr(cfg, "_attn_implementation", "")))
-    if key not in _PACKING_OK:
-        vocab = int(getattr(cfg, "vocab_size", 8))
-        dev = next(decoder.parameters()).device
-        a = torch.arange(3, device=dev) % vocab
-        b = (torch.arange(4, device=dev) + 2) % vocab
-        with torch.no_grad():
-            packed = decoder(
-                input_ids=torch.cat([a, b])[None],
-                position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=dev),
-                attention_mask=None,
-                use_cache=False,
-            ).last_hidden_state[0, 3:]
-            alone = decoder(input_ids=b[None], use_cache=False).last_hidden_state[0]
-        _PACKING_OK[key] = bool(torch.allclose(packed, alone, atol=1e-4, rtol=1e-3))
-    return _PACKING_OK[key]
-
-
-TREE_MIN_SAVING = 0.9
-"""Tree-pack only when its estimated cost is at most this fraction of the other layout's."""
-
-
-@dataclass
-class TreePacked:
-    """Rows laid out as trees ``[prefix, suffix_1, suffix_2, ...]`` (see :func:`tree_pack`)."""
-
-    input_ids: torch.Tensor  # (R, W)
-    position_ids: torch.Tensor  # (R, W)
-    allowed: torch.Tensor  # (R, W, W) bool: query column may attend to key column
-    loc_row: list[list[int]]  # per batch row b, per token t: packed row holding it
-    loc_col: list[list[int]]  # ... and its column
-
-
-TREE_MAX_WIDTH = 2048
-"""A tree (shared prefix + its suffixes) is never wider than this many positions (or the longest
-row, if longer): the tree layout's attention mask is width x width per packed row."""
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def _prefix_groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Groups of rows sharing a prefix, as (members, shared prefix length).
-
-    Rows are sorted by their tokens, so rows sharing a prefix are adjacent and the common
-    prefix of a run of sorted rows is the smallest common prefix of its neighbours. The runs
-    are chosen to save the most positions, sum over groups of (members - 1) x prefix length,
-    by dynamic programming over the sorted order (a group never grows wider than
-    ``TREE_MAX_WIDTH``). Greedy merging is not enough: a lone row followed by a group of G
-    rows sharing a 5-token prompt would otherwise pull the group into a tree that shares only
-    the first token. A group of one has prefix length 0.
-    """
-    order = sorted(range(len(rows)), key=lambda i: rows[i])
-    n = len(order)
-    if n == 0:
-        return []
-    lens = [len(rows[i]) for i in order]
-    cap = max(TREE_MAX_WIDTH, max(lens))
-    adj = [_lcp(rows[order[k - 1]], rows[order[k]]) for k in range(1, n)]  # adj[k-1]: k-1, k
-    best = [0] * (n + 1)  # best[i]: most positions saved by grouping the first i rows
-    cut = [0] * (n + 1)  # the last group of that best is order[cut[i]:i]
-    for i in range(1, n + 1):
-        best[i], cut[i] = best[i - 1], i - 1  # row i-1 alone
-        p = lens[i - 1]
-        total = lens[i - 1]  # sum of the lengths of rows j..i-1
-        for j in range(i - 2, -1, -1):  # group order[j:i]
-            p = min(p, adj[j])
-            if p < 2:  # sharing one token (a BOS) saves next to nothing: stop widening
-                break
-            total += lens[j]
-            if total - (i - 1 - j) * p > cap:
-                break
-            gain = best[j] + (i - 1 - j) * p
-            if gain > best[i]:
-                best[i], cut[i] = gain, j
-    groups: list[tuple[list[int], int]] = []
-    i = n
-    while i > 0:
-        j = cut[i]
-        members = order[j:i]
-        if len(members) == 1:
-            groups.append((members, 0))
-        else:
-            groups.append((members, min(adj[j : i - 1])))
-        i = j
-    groups.reverse()
-    return groups
-
-
-def _tree_bins(
-    rows: list[list[int]],
-) -> tuple[list[tuple[list[int], int, int]], list[list[int]], int]:
-    """(trees as (members, prefix length, size), bins of tree indices, row width): the tree
-    layout's shape, cheap to compute before deciding whether to build it."""
-    trees = []  # (members, prefix length, size)
-    for members, p in _prefix_groups(rows):
-        trees.append((members, p, p + sum(len(rows[i]) - p for i in members)))
-    width = max(t[2] for t in trees)
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for k in sorted(range(len(trees)), key=lambda k: -trees[k][2]):
-        for r, room in enumerate(free):  # noqa: B007 (r is used after the loop)
-            if room >= trees[k][2]:
-                break
-        else:
-            r = len(bins)
-            bins.append([])
-            free.append(width)
-        bins[r].append(k)
-        free[r] -= trees[k][2]
-    return trees, bins, width
-
-
-def tree_pack(
-    rows: list[list[int]],
-    pad_token_id: int,
-    device: torch.device,
-    layout: tuple[list[tuple[list[int], int, int]], list[list[int]], int] | None = None,
-) -> TreePacked:
-    """Lay out rows sharing a prefix once per group: ``[prefix, suffix_1, ..., suffix_G]``.
-
-    Suffix j's position ids continue the prefix's (p, p+1, ...), and ``allowed`` lets a
-    suffix token see the prefix and the earlier tokens of its own suffix only, so every token
-    sees exactly the tokens it saw in its own row. Trees are placed in rows of the widest
-    tree's width by first-fit decreasing; the padding tail is a segment of its own.
-    ``layout`` is :func:`_tree_bins` of ``rows`` when already computed.
-    """
-    trees, bins, width = layout if layout is not None else _tree_bins(rows)
-    R = len(bins)
-    ids = [[pad_token_id] * width for _ in range(R)]
-    pos = [[0] * width for _ in range(R)]
-    seg = [[0] * width for _ in range(R)]  # tree id per column (unique across the batch)
-    branch = [[0] * width for _ in range(R)]  # 0: prefix / padding, j >= 1: suffix j
-    loc_row = [[0] * len(row) for row in rows]
-    loc_col = [[0] * len(row) for row in rows]
-    tree_id = 0
-    for r, ks in enumerate(bins):
-        col = 0
-        for k in ks:
-            members, p, _ = trees[k]
-            tree_id += 1
-            first = rows[members[0]]
-            for t in range(p):
-                ids[r][col + t], pos[r][col + t], seg[r][col + t] = first[t], t, tree_id
-            for i in members:
-                loc_row[i][:p] = [r] * p
-                loc_col[i][:p] = range(col, col + p)
-            c = col + p
-            for j, i in enumerate(members, start=1):
-                row = rows[i]
-                for t in range(p, len(row)):
-                    ids[r][c], pos[r][c], seg[r][c], branch[r][c] = row[t], t, tree_id, j
-                    loc_row[i][t], loc_col[i][t] = r, c
-                    c += 1
-            col = c
-        tree_id += 1
-        for c in range(col, width):  # the padding tail: its own causal segment
-            pos[r][c], seg[r][c] = c - col, tree_id
-    seg_t = torch.tensor(seg, device=device)
-    br = torch.tensor(branch, device=device)
-    same_tree = seg_t[:, :, None] == seg_t[:, None, :]
-    own_branch = (br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    return TreePacked(
-        torch.tensor(ids, device=device),
-        torch.tensor(pos, device=device),
-        same_tree & own_branch & causal,
-        loc_row,
-        loc_col,
-    )
-
-
-def _cost_terms(model: torch.nn.Module) -> tuple[float, float]:
-    """(FLOPs per position, attention FLOPs per (query, key) pair) of a forward."""
-    cfg = model.config
-    lean = model.__dict__.get("_gyre_lean")
-    n_params = (
-        lean.layer_params
-        if lean is not None
-        else sum(p.numel() for p in model.model.layers.parameters())
-    )
-    att = (
-        4
-        * int(cfg.num_hidden_layers)
-        * int(cfg.num_attention_heads)
-        * int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    )
-    return 2.0 * n_params, float(att)
-
-
-def _layout_cost(model: torch.nn.Module, rows: int, width: int) -> float:
-    """Estimated forward FLOPs of ``rows`` x ``width`` positions under dense attention."""
-    per_pos, per_pair = _cost_terms(model)
-    return rows * width * per_pos + rows * width * width * per_pair
-
-
-def plan_tree(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    lengths: list[int],
-    pad_token_id: int,
-    other: tuple[int, int] | Callable[[], tuple[int, int]],
-) -> TreePacked | None:
-    """The tree layout of a right-padded batch when it costs at most ``TREE_MIN_SAVING`` of
-    the ``other`` (rows, width) layout, else None. ``other`` may be a function, called only
-    if the tree does not already beat every layout without shared prefixes: those compute
-    each real position once at least, in rows at least as wide as the longest one."""
-    rows = [input_ids[b, : lengths[b]].tolist() for b in range(len(lengths))]
-    layout = _tree_bins(rows)
-    R, W = len(layout[1]), layout[2]
-    cost = _layout_cost(model, R, W)
-    per_pos, per_pair = _cost_terms(model)
-    n = sum(lengths)
-    if cost > TREE_MIN_SAVING * (n * per_pos + n * max(lengths) * per_pair):
-        other_cost = _layout_cost(model, *(other() if callable(other) else other))
-        if cost > TREE_MIN_SAVING * other_cost:
-            return None  # decided before any (R, W, W) mask is built
-    return tree_pack(rows, pad_token_id, input_ids.device, layout)
 
 
 def _score_chunk(
@@ -466,10 +160,40 @@ def chunked_token_logprobs(
         return None
     decoder, head = parts
     B, T = input_ids.shape
+    b_idx, t_idx, in_len = _scored_positions(input_ids, attention_mask, score_mask, opts)
+    keep = (in_len > 0).nonzero().flatten()
+    if len(keep) == 0:  # nothing to score (e.g. a micro-batch of failed episodes)
+        return _nothing_to_score(model, head, B, T)
+    T_in = int(in_len.max())
+    if len(keep) < B:  # rows with nothing to score are not computed at all
+        where = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)
+        where[keep] = torch.arange(len(keep), device=input_ids.device)
+        ids_in, mask_in, row_in = input_ids[keep, :T_in], attention_mask[keep, :T_in], where[b_idx]
+    else:
+        ids_in, mask_in, row_in = input_ids[:, :T_in], attention_mask[:, :T_in], b_idx
+    lengths = [int(n) for n in in_len[keep].tolist()]
+    hidden, src_row, src_col = _predicting_states(
+        model, decoder, opts, ids_in, mask_in, lengths, row_in, t_idx, pad_token_id
+    )
+    h = gather_states(hidden, src_row, src_col)  # (N, H): the state that predicts (b, t)
+    flat_tok, flat_ent = _score_states(h, input_ids[b_idx, t_idx], head, temperature, top_p, opts)
+    lp = flat_tok.new_zeros(B, T).index_put((b_idx, t_idx), flat_tok)
+    ent = flat_ent.new_zeros(B, T).index_put((b_idx, t_idx), flat_ent.detach())
+    return lp, ent
+
+
+def _scored_positions(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor | None,
+    opts: ScoringOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(b, t) of every scored position -- a real token with a real predecessor, inside
+    ``score_mask`` -- and how many input positions each row needs (B,)."""
+    B, T = input_ids.shape
     lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
     if min(lengths) < 1:
         raise ValueError("every row needs at least one real token")
-    # (b, t) of every scored position: a real token with a real predecessor, t >= 1
     need = attention_mask.bool().clone()
     need[:, 0] = False
     if score_mask is not None:
@@ -482,26 +206,38 @@ def chunked_token_logprobs(
     in_len = torch.where(need, cols, 0).amax(dim=1)  # (B,)
     if not opts.trim:  # whole rows, every row (for measuring what trimming buys)
         in_len = attention_mask.sum(dim=1)
-    keep = (in_len > 0).nonzero().flatten()
-    if len(keep) == 0:  # nothing to score (e.g. a micro-batch of failed episodes)
-        zeros = head.weight.new_zeros(B, T)
-        if torch.is_grad_enabled():  # in the graph, as a forward's output would be: a loss
-            # built on it backpropagates, and every parameter gets a zero gradient
-            trainable = [p.reshape(-1)[:1] for p in model.parameters() if p.requires_grad]
-            if trainable:
-                zeros = zeros + 0.0 * torch.cat(trainable).sum()
-        return zeros, head.weight.new_zeros(B, T)
-    T_in = int(in_len.max())
-    if len(keep) < B:  # rows with nothing to score are not computed at all
-        where = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)
-        where[keep] = torch.arange(len(keep), device=input_ids.device)
-        ids_in, mask_in, row_in = input_ids[keep, :T_in], attention_mask[keep, :T_in], where[b_idx]
-    else:
-        ids_in, mask_in, row_in = input_ids[:, :T_in], attention_mask[:, :T_in], b_idx
-    lengths = [int(n) for n in in_len[keep].tolist()]
-    B_in = len(lengths)
+    return b_idx, t_idx, in_len
+
+
+def _nothing_to_score(
+    model: torch.nn.Module, head: torch.nn.Module, B: int, T: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeros in the graph, as a forward's output would be: a loss built on them
+    backpropagates, and every parameter gets a zero gradient."""
+    zeros = head.weight.new_zeros(B, T)
+    if torch.is_grad_enabled():
+        trainable = [p.reshape(-1)[:1] for p in model.parameters() if p.requires_grad]
+        if trainable:
+            zeros = zeros + 0.0 * torch.cat(trainable).sum()
+    return zeros, head.weight.new_zeros(B, T)
+
+
+def _predicting_states(
+    model: torch.nn.Module,
+    decoder: torch.nn.Module,
+    opts: ScoringOptions,
+    ids_in: torch.Tensor,
+    mask_in: torch.Tensor,
+    lengths: list[int],
+    row_in: torch.Tensor,
+    t_idx: torch.Tensor,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoder's last hidden states over the chosen layout -- tree-packed, packed or padded
+    -- and, per scored position, the (row, column) of the state that predicts it."""
+    B_in, T_in = ids_in.shape
+    device = ids_in.device
     lean = lean_for(model, opts.lean)
-    packed = None
 
     @functools.cache
     def plain_or_packed() -> tuple[int, int]:
@@ -516,8 +252,6 @@ def chunked_token_logprobs(
     tree = None
     if lean is not None and opts.share_prefix and B_in > 1:
         tree = plan_tree(model, ids_in, lengths, pad_token_id, plain_or_packed)
-    if tree is None and plain_or_packed() != (B_in, T_in):
-        packed = pack_rows(ids_in, lengths, pad_token_id)
     if tree is not None:
         assert lean is not None
         dtype = lean.inner.embed_tokens.weight.dtype
@@ -525,17 +259,12 @@ def chunked_token_logprobs(
             tree.input_ids, tree.position_ids, LeanForward.additive(tree.allowed[:, None], dtype)
         )
         bl, tl = row_in.tolist(), t_idx.tolist()
-        src_row = torch.tensor(
-            [tree.loc_row[b][t - 1] for b, t in zip(bl, tl, strict=True)],
-            dtype=torch.long,
-            device=input_ids.device,
-        )
-        src_col = torch.tensor(
-            [tree.loc_col[b][t - 1] for b, t in zip(bl, tl, strict=True)],
-            dtype=torch.long,
-            device=input_ids.device,
-        )
-    elif packed is not None:
+        pairs = list(zip(bl, tl, strict=True))
+        src_row = torch.tensor([tree.loc_row[b][t - 1] for b, t in pairs], device=device)
+        src_col = torch.tensor([tree.loc_col[b][t - 1] for b, t in pairs], device=device)
+        return hidden, src_row.long(), src_col.long()
+    if plain_or_packed() != (B_in, T_in):
+        packed = pack_rows(ids_in, lengths, pad_token_id)
         if lean is not None:
             dtype = lean.inner.embed_tokens.weight.dtype
             mask = lean.segment_mask(packed.position_ids, dtype)
@@ -547,19 +276,28 @@ def chunked_token_logprobs(
                 attention_mask=None,
                 use_cache=False,  # with a cache, HF would not build the per-segment causal mask
             ).last_hidden_state
-        src_row, src_col = packed.row[row_in], packed.offset[row_in] + t_idx - 1
+        return hidden, packed.row[row_in], packed.offset[row_in] + t_idx - 1
+    if lean is not None:
+        dtype = lean.inner.embed_tokens.weight.dtype
+        pos = torch.arange(T_in, device=device)[None].expand(B_in, T_in)
+        hidden = lean.hidden(ids_in, pos, lean.padded_mask(mask_in, dtype))
     else:
-        if lean is not None:
-            dtype = lean.inner.embed_tokens.weight.dtype
-            pos = torch.arange(T_in, device=input_ids.device)[None].expand(B_in, T_in)
-            hidden = lean.hidden(ids_in, pos, lean.padded_mask(mask_in, dtype))
-        else:
-            hidden = decoder(
-                input_ids=ids_in, attention_mask=mask_in, use_cache=False
-            ).last_hidden_state
-        src_row, src_col = row_in, t_idx - 1
-    h = gather_states(hidden, src_row, src_col)  # (N, H): the state that predicts (b, t)
-    targets = input_ids[b_idx, t_idx]
+        hidden = decoder(
+            input_ids=ids_in, attention_mask=mask_in, use_cache=False
+        ).last_hidden_state
+    return hidden, row_in, t_idx - 1
+
+
+def _score_states(
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    head: torch.nn.Module,
+    temperature: float,
+    top_p: float,
+    opts: ScoringOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LM head + log-softmax over the predicting states, ``opts.chunk`` at a time (each chunk
+    under activation checkpointing when training): flat log-probs and entropies (N,)."""
     N = h.shape[0]
     step = opts.chunk if opts.chunk > 0 else max(N, 1)
     toks, ents = [], []
@@ -573,6 +311,4 @@ def chunked_token_logprobs(
         ents.append(ent)
     flat_tok = torch.cat(toks) if toks else h.new_zeros(0)
     flat_ent = torch.cat(ents) if ents else h.new_zeros(0)
-    lp = flat_tok.new_zeros(B, T).index_put((b_idx, t_idx), flat_tok)
-    ent = flat_ent.new_zeros(B, T).index_put((b_idx, t_idx), flat_ent.detach())
-    return lp, ent
+    return flat_tok, flat_ent
