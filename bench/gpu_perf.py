@@ -358,6 +358,7 @@ def _train_rung(ctx: Any, shape: str, checkpointing: bool) -> dict[str, Any]:
     sz, dev = ctx.sizes, ctx.device
     model = opt = batch = None
     rec: dict[str, Any] = {"model": shape, "checkpointing": checkpointing}
+    opts = scoring.ScoringOptions()
     t0 = time.perf_counter()
     try:
         model = build(qwen2_config(shape), dev, torch.float32)
@@ -371,7 +372,7 @@ def _train_rung(ctx: Any, shape: str, checkpointing: bool) -> dict[str, Any]:
                 model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
-            scoring.configure(lean=False, share_prefix=False)
+            opts = scoring.ScoringOptions(lean=False, share_prefix=False)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         g = torch.Generator().manual_seed(0)
@@ -393,7 +394,7 @@ def _train_rung(ctx: Any, shape: str, checkpointing: bool) -> dict[str, Any]:
         _reset_peak(dev)
         _sync(dev)
         t1 = time.perf_counter()
-        grpo_update(model, opt, batch, adv, _update_settings(sz.scale_micro))
+        grpo_update(model, opt, batch, adv, _update_settings(sz.scale_micro), scoring=opts)
         _sync(dev)
         dt = time.perf_counter() - t1
         rec.update(
@@ -409,7 +410,6 @@ def _train_rung(ctx: Any, shape: str, checkpointing: bool) -> dict[str, Any]:
     except Exception as e:
         rec.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
     finally:
-        scoring.configure()
         del model, opt, batch
         free_memory(dev)
     rec["wall_s"] = round(time.perf_counter() - t0, 2)
