@@ -100,7 +100,6 @@ def main() -> None:
         a.repeats, a.tasks = 2, 4
     torch.set_num_threads(a.threads)
     cfg = load_config(ROOT / "examples/maze/config.yaml", [])
-    scoring.configure(cfg.train.lean_forward, cfg.train.share_prefix)
     with tempfile.TemporaryDirectory() as tmp:
         create_tiny_checkpoint(cfg.model, Path(tmp) / "m", cfg.run.seed)
         model, _ = load_pretrained(Path(tmp) / "m", torch.device("cpu"))
