@@ -130,6 +130,22 @@ class SamplingConfig(_Section):
     max_new_tokens: int = Field(4, gt=0, description="Most tokens the policy may write per turn.")
 
 
+class RolloutConfig(_Section):
+    """Where a turn ends (docs/envs.md: stop tokens and stop strings)."""
+
+    stop_tokens: list[str] = Field(
+        default_factory=list,
+        description="Tokens that end a turn, each one token of the tokenizer (e.g. "
+        "'<|im_end|>'); empty = derived: the chat template's end-of-turn token, EOS, and the "
+        "newline where it is one token.",
+    )
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="Texts that end a turn: the action is cut after the token whose decoded "
+        "text first contains one; empty = derived: '\\n' where the newline is a stop token.",
+    )
+
+
 class SFTConfig(_Section):
     steps: int = Field(600, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
@@ -617,6 +633,9 @@ class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="Where a turn ends: stop tokens and strings."
+    )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm start.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="GRPO training.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")

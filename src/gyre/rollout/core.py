@@ -29,7 +29,8 @@ from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
 from gyre.rollout.dapo import sample_groups
-from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids
+from gyre.rollout.episodes import RolloutStats, run_episodes
+from gyre.rollout.stops import Stops, derive_stops
 from gyre.rollout.evaluate import evaluate, train_seed
 from gyre.telemetry import timed
 from gyre.types import SamplingParams, Trajectory
@@ -42,9 +43,17 @@ def rollout_seed(cfg: Config, step: int, round_: int = 0) -> int:
     return (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
 
 
+def run_stops(cfg: Config, tokenizer: Any) -> Stops:
+    """The run's stop tokens and strings: ``rollout.*`` or derived from the tokenizer."""
+    return derive_stops(tokenizer, cfg.rollout.stop_tokens, cfg.rollout.stop_strings)
+
+
 def sampling_params(cfg: Config, tokenizer: Any, seed: int | None) -> SamplingParams:
-    s = cfg.train.sampling
-    return SamplingParams(s.temperature, s.top_p, s.max_new_tokens, stop_ids(tokenizer), seed)
+    s, stops = cfg.train.sampling, run_stops(cfg, tokenizer)
+    return SamplingParams(
+        s.temperature, s.top_p, s.max_new_tokens, stops.token_ids, seed,
+        stop_strings=stops.strings,
+    )  # fmt: skip
 
 
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
@@ -173,7 +182,7 @@ class Rollout:
         return evaluate(
             self.engine, self.make_env, self.tokenizer, cfg.eval.episodes, s.temperature,
             s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed, top_p=s.top_p,
-            continuous=cfg.perf.continuous,
+            continuous=cfg.perf.continuous, stops=run_stops(cfg, self.tokenizer),
         )  # fmt: skip
 
     # -- weights ------------------------------------------------------------------------------
