@@ -78,7 +78,9 @@ def test_bpe_without_newline_token_ends_turns_at_im_end(bpe):
 
 
 def test_stop_config_overrides_and_names_the_key(bpe):
-    cfg = load_config(overrides=['rollout.stop_tokens=["<|im_end|>"]', "rollout.stop_strings=[';']"])
+    cfg = load_config(
+        overrides=['rollout.stop_tokens=["<|im_end|>"]', "rollout.stop_strings=[';']"]
+    )
     stops = run_stops(cfg, bpe)
     im_end = bpe.convert_tokens_to_ids("<|im_end|>")
     assert stops.token_ids == (im_end,) and stops.strings == (";",)

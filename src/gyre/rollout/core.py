@@ -30,8 +30,8 @@ from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
 from gyre.rollout.dapo import sample_groups
 from gyre.rollout.episodes import RolloutStats, run_episodes
-from gyre.rollout.stops import Stops, derive_stops
 from gyre.rollout.evaluate import evaluate, train_seed
+from gyre.rollout.stops import Stops, derive_stops
 from gyre.telemetry import timed
 from gyre.types import SamplingParams, Trajectory
 

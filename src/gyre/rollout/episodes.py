@@ -63,7 +63,9 @@ def _memo(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return get
 
 
-def stop_ids(tokenizer: PreTrainedTokenizerBase, stop_tokens: Sequence[str] = ()) -> tuple[int, ...]:
+def stop_ids(
+    tokenizer: PreTrainedTokenizerBase, stop_tokens: Sequence[str] = ()
+) -> tuple[int, ...]:
     """The ids that end an action: ``stop_tokens`` (``rollout.stop_tokens``) or, by default, the
     end-of-turn token, EOS and the newline where it is one token (:mod:`gyre.rollout.stops`)."""
     return derive_stops(tokenizer, stop_tokens).token_ids

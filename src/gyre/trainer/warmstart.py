@@ -69,7 +69,11 @@ def run_sft(
         demo_key,
         lambda: [
             demonstrate(
-                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng,
+                make_env,
+                tokenizer,
+                train_seed(cfg.run.seed, STREAM_SFT, k),
+                cfg.sft.noise,
+                rng,
                 terminator=terminator,
             )
             for k in range(cfg.sft.demos)
