@@ -7,6 +7,7 @@ and bad values stop the run with an error that names the dotted key and the offe
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -111,9 +112,20 @@ class DatasetConfig(_Section):
     )
 
 
+BUILTIN_ENVS = ("maze", "arithmetic", "dataset")
+
+
 class EnvConfig(_Section):
-    name: Literal["maze", "arithmetic", "dataset"] = Field(
-        "maze", description="Which built-in environment."
+    name: str = Field(
+        "maze",
+        description="A built-in env (maze, arithmetic, dataset), a name given to "
+        "gyre.envs.register, an import path 'module:Class' or a file path 'envs.py:Class' "
+        "(docs/envs.md).",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of a plug-in env's class or factory (built-in envs "
+        "take their own sections instead).",
     )
     maze: MazeConfig = Field(default_factory=MazeConfig, description="Maze settings.")
     arithmetic: ArithmeticConfig = Field(
@@ -122,6 +134,26 @@ class EnvConfig(_Section):
     dataset: DatasetConfig = Field(
         default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _env_name(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("empty; give a built-in env, a registered name or 'module:Class'")
+        mod, sep, attr = v.rpartition(":")
+        if sep and (not mod.strip() or not attr.strip()):
+            raise ValueError(f"expected 'module:Class' or 'file.py:Class', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _kwargs_for_plugins(self) -> EnvConfig:
+        if self.kwargs and self.name in BUILTIN_ENVS:
+            raise ValueError(
+                f"env.kwargs is for plug-in envs; the built-in env {self.name!r} takes "
+                f"env.{self.name}.* settings"
+            )
+        return self
 
 
 class SamplingConfig(_Section):
@@ -797,16 +829,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = _parse_override(item)
         _set_dotted(tree, key, value)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, tree)) from None
+    _absolute_file_specs(cfg, [Path(path).resolve().parent] if path is not None else [])
+    return cfg
+
+
+def _absolute_file_specs(cfg: Config, bases: list[Path]) -> None:
+    """Make ``file.py:attr`` specs (env.name, reward.functions[*].fn) absolute: relative to the
+    config file's folder when the file is there, else to the current directory."""
+    from gyre.plugins import PluginError, absolute_spec
+
+    try:
+        if ":" in cfg.env.name:
+            cfg.env.name = absolute_spec(cfg.env.name, "env.name", bases)
+        for i, f in enumerate(cfg.reward.functions):
+            f.fn = absolute_spec(f.fn, f"reward.functions.{i}.fn", bases)
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def resolve_run_dir(cfg: Config) -> Path:
     """Fill in ``run.dir`` when empty (runs/<env>-<timestamp>) and return it as a Path."""
     if not cfg.run.dir:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        cfg.run.dir = str(Path("runs") / f"{cfg.env.name}-{stamp}")
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.env.name.rpartition(":")[2])
+        cfg.run.dir = str(Path("runs") / f"{name}-{stamp}")
     return Path(cfg.run.dir)
 
 
