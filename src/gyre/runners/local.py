@@ -98,9 +98,7 @@ class LocalPlacement:
 
     def write_final(self, out_dir: Path) -> None:
         assert self.trainer is not None
-        write_model_dir(
-            out_dir, self.trainer.model, self.trainer.tokenizer, trained_on(self.cfg)
-        )
+        write_model_dir(out_dir, self.trainer.model, self.trainer.tokenizer, trained_on(self.cfg))
 
     def summary(self) -> dict[str, Any]:
         return {}
