@@ -474,6 +474,12 @@ class LogConfig(_Section):
     console: Literal["auto", "rich", "plain", "off"] = Field(
         "auto", description="Console output: rich live view, plain lines, or nothing."
     )
+    no_signal_steps: int = Field(
+        3,
+        ge=0,
+        description="Warn when this many steps in a row have no group with reward spread "
+        "(rollout/frac_reward_zero_std = 1.0: nothing to learn); 0 = never.",
+    )
 
     @field_validator("console", mode="before")
     @classmethod
