@@ -144,6 +144,13 @@ class EnvConfig(_Section):
         mod, sep, attr = v.rpartition(":")
         if sep and (not mod.strip() or not attr.strip()):
             raise ValueError(f"expected 'module:Class' or 'file.py:Class', got {v!r}")
+        from gyre.plugins import ENV_REGISTRY
+
+        if not sep and v not in BUILTIN_ENVS and v not in ENV_REGISTRY:
+            raise ValueError(
+                f"unknown env; valid: {', '.join([*BUILTIN_ENVS, *sorted(ENV_REGISTRY)])}, a "
+                "name given to gyre.envs.register, 'module:Class' or 'file.py:Class'"
+            )
         return v
 
     @model_validator(mode="after")
