@@ -41,6 +41,7 @@ from gyre.checkpoint.resume import (
 )
 from gyre.checkpoint.store import seed_everything, write_file_atomically
 from gyre.config import Config, dump_config, resolve_run_dir
+from gyre.errors import ensure_writable_dir
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_device
 from gyre.rollout.core import rollout_metrics
 from gyre.telemetry import MetricsSink, timed
@@ -96,7 +97,7 @@ def setup(cfg: Config, fresh_check: bool = False) -> tuple[Path, torch.device]:
     run_dir = resolve_run_dir(cfg)
     if fresh_check:
         Checkpointer(cfg, run_dir).check_fresh()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(run_dir, "run.dir")  # a file or a read-only dir: one line
     torch.set_num_threads(cfg.run.threads or os.cpu_count() or 1)
     seed_everything(cfg.run.seed)
     from transformers.utils import logging as hf_logging
@@ -150,11 +151,12 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
     current step with a checkpoint and raise :class:`gyre.checkpoint.resume.Preempted`.
     """
     t_start = time.perf_counter()
-    placement.connect()  # may settle config (Ray: placement fitted to the cluster) before setup
-    run_dir, device = setup(cfg, fresh_check=True)
-    ckpt = Checkpointer(cfg, run_dir)
     out: Telemetry | None = None
+    ckpt: Checkpointer | None = None
     try:
+        placement.connect()  # may settle config (Ray: placement fitted to the cluster) first
+        run_dir, device = setup(cfg, fresh_check=True)
+        ckpt = Checkpointer(cfg, run_dir)
         with StopGuard() as guard:  # after connect: ray.init installs handlers of its own
             plan = ckpt.plan()
             policy, ref = warm_start(cfg, run_dir, device, ckpt, plan, guard)
@@ -166,7 +168,8 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
         if out is not None:
             out.close()
         placement.close()
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
     summary = {
         "run_dir": str(run_dir),
         "steps": cfg.train.steps,

@@ -26,7 +26,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-
 ENV_REGISTRY: dict[str, Any] = {}  # gyre.envs.register fills it; here so config can check names
 
 

@@ -28,6 +28,7 @@ from gyre.engines.factory import build_engine, initial_sync, torch_engine_option
 from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
+from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
 from gyre.rollout.episodes import RolloutStats, run_episodes
 from gyre.rollout.evaluate import evaluate, train_seed
@@ -87,6 +88,7 @@ class Rollout:
         self.syncer = syncer
         self.rewarder = rewarder
         self.make_env = env_factory(cfg.env)
+        check_prompts(cfg, self.make_env, tokenizer, context_limit(engine))  # before any rollout
         self.next_task = 0  # the local task stream's position (tasks consumed so far)
 
     @classmethod

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from gyre.checkpoint.store import fault_point
 from gyre.engines.base import Engine
 from gyre.envs.base import Demonstrator, Env
 from gyre.rollout.stops import cut_at_stop, derive_stops
@@ -157,6 +158,7 @@ def run_episodes(
         text = decode(tuple(toks))
         turns[i] += 1
         try:
+            fault_point("env.step")  # GYRE_FAULT=env.step:raise (tests): as if the env raised
             obs, r, done, info = envs[i].step(text)
         except Exception:
             infos[i] = _env_failure(i, int(task_seeds[i // group_size]), "step")

@@ -193,6 +193,8 @@ class RayPlacement:
         path = user_module_path(self.cfg)
         if path:
             env["PYTHONPATH"] = path
+        if os.environ.get("GYRE_FAULT"):  # fault injection of a test reaches the actors too
+            env["GYRE_FAULT"] = os.environ["GYRE_FAULT"]
         return {"env_vars": env}
 
     def _new_worker(self, i: int) -> Any:
