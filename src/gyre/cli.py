@@ -218,7 +218,7 @@ def _run(argv: list[str]) -> int:
             print(f"gyre: error: {exc}", file=sys.stderr)
             return 1
         if note:
-            print(f"gyre: {note}", file=sys.stderr)
+            print(f"gyre: {note}", flush=True)  # stdout: stderr is for errors
 
     if ns.command == "verify-resume":
         from gyre.commands.verify_resume import verify_resume

@@ -91,8 +91,8 @@ def test_file_env_trains_and_evaluates_from_another_cwd(project, tmp_path, capsy
     capsys.readouterr()
     out = tmp_path / "eval"
     assert main(["eval", f"model.path={run / 'final'}", f"run.dir={out}", *QUIET]) == 0
-    err = capsys.readouterr().err
-    assert "env.name=" in err and "gyre_env.json" in err
+    said = capsys.readouterr().out
+    assert "env.name=" in said and "gyre_env.json" in said
     res = json.loads((out / "eval.json").read_text())
     assert res["eval/moves_greedy"] == 1.0  # one guess per episode: the guess env, no maze
 
@@ -153,7 +153,7 @@ def test_eval_and_train_use_the_env_a_model_was_trained_on(tmp_path, capsys):
     capsys.readouterr()
     ev = tmp_path / "ev"
     assert main(["eval", f"model.path={sft}", f"run.dir={ev}", *QUIET]) == 0
-    assert "env.name=arithmetic" in capsys.readouterr().err
+    assert "env.name=arithmetic" in capsys.readouterr().out
     assert load_config(ev / "config.yaml").env.arithmetic.max_operand == 2
     assert json.loads((ev / "eval.json").read_text())["eval/moves_greedy"] == 1.0
     tr = tmp_path / "tr"
@@ -174,7 +174,7 @@ def test_eval_and_train_use_the_env_a_model_was_trained_on(tmp_path, capsys):
     capsys.readouterr()
     ev2 = tmp_path / "ev2"
     assert main(["eval", f"model.path={sft}", f"run.dir={ev2}", "env.name=maze", *QUIET]) == 0
-    assert "was trained on env.name=arithmetic" in capsys.readouterr().err
+    assert "was trained on env.name=arithmetic" in capsys.readouterr().out
     assert load_config(ev2 / "config.yaml").env.name == "maze"
 
 
