@@ -101,6 +101,10 @@ ALGOS: dict[str, tuple[list[str], str]] = {
         ],
         "DAPO: dynamic sampling, clip-higher 0.28, token-mean",
     ),
+    "gigpo": (
+        ["train.algo.advantage=gigpo", "train.algo.gamma=0.95", "train.algo.gigpo_step_weight=1"],
+        "GiGPO: GRPO episode advantage + anchor-state (maze cell) step advantage, gamma 0.95",
+    ),
 }
 
 

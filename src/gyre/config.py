@@ -263,6 +263,12 @@ class SFTConfig(_Section):
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
     lr: float = Field(3e-3, gt=0, le=MAX_LR, description="SFT AdamW learning rate, in (0, 1].")
     warmup_steps: int = Field(10, ge=0, description="Linear LR warmup steps.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warmup: constant, or linear / cosine decay to the end."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="linear / cosine: the last LR as a fraction of sft.lr."
+    )
     demos: int = Field(4000, gt=0, description="Number of demonstration episodes generated.")
     noise: float = Field(
         0.25, ge=0.0, le=1.0, description="Probability that the demonstrator makes a random move."
@@ -273,7 +279,14 @@ class AlgoConfig(_Section):
     """The RL algorithm beyond GRPO's defaults; every formula is in docs/algorithms.md."""
 
     advantage: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "gae",
+        "gigpo",
+        "turn_returns",
     ] = Field("grpo", description="Advantage estimator (verl: adv_estimator).")
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "reinforce"] = Field(
         "ppo_clip", description="Per-token policy loss; gspo wants clip_eps ~3e-4."
@@ -284,8 +297,12 @@ class AlgoConfig(_Section):
     dual_clip: float | None = Field(
         None, gt=1, description="Dual-clip c for negative advantages (3 is usual); null = off."
     )
-    kl_type: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="KL estimator (k3 clamped to [-10, 10]); coefficient is train.kl_coef."
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+"] = (
+        Field(
+            "k3",
+            description="KL estimator (k3 = low_var_kl, clamped to [-10, 10]; 'X+': X's value with "
+            "k2's gradient); coefficient is train.kl_coef.",
+        )
     )
     kl_in: Literal["loss", "reward"] = Field(
         "loss", description="Apply the KL penalty as a loss term or subtract it from the reward."
@@ -308,7 +325,31 @@ class AlgoConfig(_Section):
         description="Leave rows whose advantage is 0 everywhere out of the update's forward/"
         "backward (their gradient is exactly 0; loss weights keep the whole step's counts).",
     )
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount (reinforce_pp, gae).")
+    gamma: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Discount (reinforce_pp, gae: per policy token; gigpo, turn_returns: per "
+        "turn; GiGPO's paper uses 0.95).",
+    )
+    gigpo_step_weight: float = Field(
+        1.0, ge=0, description="gigpo: weight w of the anchor-state step advantage (A^E + w A^S)."
+    )
+    gigpo_step_norm: Literal["std", "none"] = Field(
+        "std",
+        description="gigpo: step advantages divided by the anchor group's std, or mean-centred "
+        "only (the paper's F_norm = 1).",
+    )
+    whiten_std: Literal["population", "unbiased"] = Field(
+        "population",
+        description="gae, reinforce_pp*: whitening std over the batch's policy tokens; "
+        "population (OpenRLHF) or unbiased (verl, x sqrt(n/(n-1))).",
+    )
+    count_masked_rows: bool = Field(
+        True,
+        description="seq-mean-* aggregations: rows whose loss mask is all 0 count in the row "
+        "denominator (true) or not (false, as verl).",
+    )
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     value_model: Literal["critic", "head"] = Field(
         "critic", description="gae: a separate critic, or a value head on the policy."
@@ -353,6 +394,20 @@ class DapoConfig(_Section):
     )
 
 
+class LevelReplayConfig(_Section):
+    """Prioritised level replay (Jiang et al. 2021, arXiv:2010.03934) over training tasks."""
+
+    prob: float = Field(
+        0.0, ge=0, le=1, description="Chance that a task slot replays a buffered task; 0 = off."
+    )
+    buffer_size: int = Field(
+        64, gt=0, description="Most tasks kept for replay (the lowest-scored one is evicted)."
+    )
+    temperature: float = Field(
+        0.3, gt=0, description="Rank prioritisation: P(task) ~ (1 / rank)^(1 / temperature)."
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(60, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
@@ -360,6 +415,15 @@ class TrainConfig(_Section):
         8, ge=2, description="Samples per task (G) for group-relative advantages."
     )
     lr: float = Field(3e-4, gt=0, le=MAX_LR, description="GRPO AdamW learning rate, in (0, 1].")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="GRPO LR after warmup: constant, or linear / cosine decay over train.steps "
+        "(stepped once per GRPO step).",
+    )
+    warmup_steps: int = Field(0, ge=0, description="GRPO steps of linear LR warmup.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="linear / cosine: the last LR as a fraction of train.lr."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient; 0 loads no ref.")
@@ -388,6 +452,10 @@ class TrainConfig(_Section):
     dapo: DapoConfig = Field(
         default_factory=DapoConfig,
         description="DAPO dynamic sampling and overlong handling.",
+    )
+    level_replay: LevelReplayConfig = Field(
+        default_factory=LevelReplayConfig,
+        description="Replay training tasks whose groups had mixed outcomes (local runner).",
     )
 
 
@@ -527,7 +595,16 @@ class PerfConfig(_Section):
 
 
 class EvalConfig(_Section):
-    episodes: int = Field(500, ge=0, description="Held-out episodes per evaluation.")
+    episodes: int = Field(
+        500, ge=0, le=2**31, description="Held-out episodes per evaluation (seeds 2^31 + i)."
+    )
+    validation_episodes: int = Field(
+        0,
+        ge=0,
+        le=2**31,
+        description="Validation episodes per evaluation on their own seeds (2^32 + i), never "
+        "training or held-out ones; 0 = none. Logged as val/*.",
+    )
     every: int = Field(20, ge=0, description="Evaluate every N GRPO steps; 0 only before/after.")
     sampled: bool = Field(True, description="Also report sampled (temperature) success.")
 
@@ -811,6 +888,12 @@ class Config(_Section):
                 "engine.weight_sync=shared is for full-weight training; with model.lora use "
                 "memory (the adapter's tensors are copied) or disk"
             )
+        if self.eval.validation_episodes and self.env.name == "dataset":
+            raise ValueError(
+                "eval.validation_episodes draws tasks from its own seeds; env.name=dataset maps "
+                "seeds to rows (training rows or the env.dataset.eval_rows), so it has no "
+                "validation split: set eval.validation_episodes=0"
+            )
         return self
 
 
@@ -836,6 +919,12 @@ def check_ray_config(cfg: Config) -> None:
         raise ValueError(
             f"train.algo.advantage={t.algo.advantage!r} whitens over the whole batch; with "
             "runner=ray it needs ray.trainer_ranks=1"
+        )
+    if t.level_replay.prob > 0:
+        raise ValueError(
+            "train.level_replay.prob > 0 replays tasks from the local runner's task stream "
+            "(the Ray scheduler hands out contiguous task ranges); use runner=local, or "
+            "train.level_replay.prob=0"
         )
     if cfg.engine.weight_sync == "shared":
         raise ValueError(

@@ -70,6 +70,13 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     truncated: bool = False  # the episode's last completion hit max_new_tokens (no stop token)
     traj_id: str = ""  # unique in a run ("<task index>:<sample>") where a runner assigns it
+    # Per turn k (empty where the producer does not record turns, e.g. demonstrations):
+    # turn_spans[k] = [start, end) of turn k's sampled tokens in token_ids; turn_states[k] = the
+    # env's hashable state key *before* turn k's action (None where the env exposes none);
+    # turn_rewards[k] = the env reward of turn k's step. Used by the turn-level estimators.
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    turn_states: list[Hashable] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:

@@ -102,13 +102,15 @@ def test_registry_lists_valid_names():
         "reinforce_pp",
         "reinforce_pp_baseline",
         "gae",
+        "gigpo",
+        "turn_returns",
     }
-    with pytest.raises(ValueError, match="valid: dr_grpo, gae, grpo, reinforce_pp"):
+    with pytest.raises(ValueError, match="valid: dr_grpo, gae, gigpo, grpo, reinforce_pp"):
         compute_advantages("ppo", _t([1.0]), torch.tensor([0]))
     assert set(POLICY_LOSSES) == {"ppo_clip", "gspo", "cispo", "reinforce"}
     with pytest.raises(ValueError, match="valid: cispo, gspo, ppo_clip, reinforce"):
         get_policy_loss_fn("sppo")
-    with pytest.raises(ValueError, match="valid: k1, k2, k3"):
+    with pytest.raises(ValueError, match=r"valid: abs, abs\+, k1, k1\+, k2, k3, k3\+, low_var_kl"):
         get_kl_fn("k4")
     with pytest.raises(ValueError, match="needs values"):
         compute_advantages("gae", _t([1.0]), torch.tensor([0]), loss_mask=_t([[0.0, 1.0]]))

@@ -28,12 +28,14 @@ from gyre.algos.losses import (
     get_kl_fn,
     get_policy_loss_fn,
     gspo_loss,
+    kl_abs,
     kl_k1,
     kl_k2,
     kl_k3,
     masked_token_sum,
     ppo_clip_loss,
     reinforce_loss,
+    straight_through,
 )
 from gyre.algos.terms import (
     clipped_value_loss,
@@ -43,6 +45,7 @@ from gyre.algos.terms import (
     rollout_is_term,
     value_term,
 )
+from gyre.algos.turns import Turns, gigpo_advantages, turn_returns_advantages
 
 __all__ = [
     "ADVANTAGES",
@@ -52,6 +55,7 @@ __all__ = [
     "TOKEN_LEVEL",
     "LossParams",
     "StepCounts",
+    "Turns",
     "agg_weights",
     "aggregate",
     "cispo_loss",
@@ -63,8 +67,10 @@ __all__ = [
     "get_advantage_fn",
     "get_kl_fn",
     "get_policy_loss_fn",
+    "gigpo_advantages",
     "grpo_advantages",
     "gspo_loss",
+    "kl_abs",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -78,5 +84,7 @@ __all__ = [
     "rloo_advantages",
     "rollout_is_term",
     "rollout_is_weights",
+    "straight_through",
+    "turn_returns_advantages",
     "value_term",
 ]

@@ -7,7 +7,8 @@ Two kinds, both in the one registry:
 - **token** estimators need the loss mask and give one advantage per token:
   ``fn(rewards (N,), group_ids (N,), *, loss_mask (N, T), token_rewards (N, T) | None, ...)
   -> (N, T)`` -- ``reinforce_pp``, ``reinforce_pp_baseline``, ``gae`` (which also returns the
-  value targets).
+  value targets), and the turn-level ``gigpo`` and ``turn_returns`` (:mod:`gyre.algos.turns`),
+  which also read the trajectories' turns.
 
 :func:`compute_advantages` calls any of them with the same keyword bundle, so the training loop
 does not branch on the name. To add one: write the function, add it to :data:`ADVANTAGES`, and
@@ -25,33 +26,9 @@ from typing import Any
 
 import torch
 
+from gyre.algos.groups import _group_stats, grpo_advantages
 from gyre.algos.registry import lookup
-
-
-def _group_stats(
-    rewards: torch.Tensor, group_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-trajectory (group mean, group unbiased std, group size), vectorised by scatter."""
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    G = int(inv.max().item()) + 1
-    count = torch.zeros(G).scatter_add_(0, inv, torch.ones_like(rewards))
-    mean = torch.zeros(G).scatter_add_(0, inv, rewards) / count
-    dev = rewards - mean[inv]
-    var = torch.zeros(G).scatter_add_(0, inv, dev**2) / (count - 1).clamp(min=1)
-    return mean[inv], var.sqrt()[inv], count[inv]
-
-
-def grpo_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
-) -> torch.Tensor:
-    """GRPO (Shao et al. 2024, arXiv:2402.03300): A_i = (r_i - mean_G) / (std_G + eps).
-
-    std is the unbiased sample std within the group (as verl and TRL use). A group whose rewards
-    are all equal gets advantage 0 for every member. Each group's advantages sum to zero.
-    """
-    rewards = rewards.float().cpu()
-    mean, std, _ = _group_stats(rewards, group_ids.cpu())
-    return (rewards - mean) / (std + eps)
+from gyre.algos.turns import Turns, gigpo_advantages, turn_returns_advantages
 
 
 def dr_grpo_advantages(
@@ -81,14 +58,25 @@ def rloo_advantages(
     return torch.where(count > 1, loo, torch.zeros_like(loo))
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+WHITEN_STD = ("population", "unbiased")
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, std: str = "population"
+) -> torch.Tensor:
     """(x - mean) / (std + eps) over the masked entries of the whole tensor; 0 off the mask.
 
-    The std is the population std of the masked entries (OpenRLHF's ``masked_normalize``).
+    ``std='population'``: the population std of the n masked entries (OpenRLHF's
+    ``masked_normalize``, gyre's default); ``'unbiased'``: var * n / (n - 1), as verl's
+    ``masked_whiten`` (the whitened values differ by the factor sqrt((n - 1) / n)).
     """
+    if std not in WHITEN_STD:
+        raise ValueError(f"unknown whitening std {std!r}; valid: {', '.join(WHITEN_STD)}")
     n = mask.sum().clamp(min=1)
     mean = (values * mask).sum() / n
     var = (((values - mean) * mask) ** 2).sum() / n
+    if std == "unbiased":
+        var = var * n / (n - 1).clamp(min=1)
     return (values - mean) / (var.sqrt() + eps) * mask
 
 
@@ -138,6 +126,7 @@ def reinforce_pp_advantages(
     token_rewards: torch.Tensor | None = None,
     gamma: float = 1.0,
     eps: float = 1e-8,
+    whiten_std: str = "population",
 ) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): whitened discounted return, per token.
 
@@ -146,7 +135,7 @@ def reinforce_pp_advantages(
     of the batch. ``group_ids`` is unused (no group baseline in this variant).
     """
     returns = discounted_returns(_kl_shaped(rewards, loss_mask, token_rewards), loss_mask, gamma)
-    return masked_whiten(returns, loss_mask, eps)
+    return masked_whiten(returns, loss_mask, eps, whiten_std)
 
 
 def reinforce_pp_baseline_advantages(
@@ -157,6 +146,7 @@ def reinforce_pp_baseline_advantages(
     token_rewards: torch.Tensor | None = None,
     gamma: float = 1.0,
     eps: float = 1e-8,
+    whiten_std: str = "population",
 ) -> torch.Tensor:
     """REINFORCE++-baseline (arXiv:2501.03262 v3+): r_i - mean_G, then as ``reinforce_pp``.
 
@@ -172,6 +162,7 @@ def reinforce_pp_baseline_advantages(
         token_rewards=token_rewards,
         gamma=gamma,
         eps=eps,
+        whiten_std=whiten_std,
     )
 
 
@@ -186,6 +177,7 @@ def gae_advantages(
     lam: float = 1.0,
     whiten: bool = True,
     eps: float = 1e-8,
+    whiten_std: str = "population",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2016, arXiv:1506.02438) for PPO with a value model.
 
@@ -193,7 +185,8 @@ def gae_advantages(
     delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1}, with V = 0 after
     the last policy token. ``values[:, t]`` is V of the state before token t. Returns
     (advantages (N, T), returns (N, T) = A + V, the value targets, computed before whitening).
-    With ``whiten`` the advantages are whitened over the batch's policy tokens (as verl/OpenRLHF).
+    With ``whiten`` the advantages are whitened over the batch's policy tokens with the
+    ``whiten_std`` std (population: OpenRLHF; unbiased: verl; see :func:`masked_whiten`).
     """
     r = _kl_shaped(rewards, loss_mask, token_rewards)
     values = values.float() * loss_mask
@@ -210,7 +203,7 @@ def gae_advantages(
         adv[:, t] = torch.where(m, a, torch.zeros_like(a))
     returns = (adv + values) * loss_mask
     if whiten:
-        adv = masked_whiten(adv, loss_mask, eps)
+        adv = masked_whiten(adv, loss_mask, eps, whiten_std)
     return adv, returns
 
 
@@ -222,9 +215,13 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
     "gae": gae_advantages,
+    "gigpo": gigpo_advantages,
+    "turn_returns": turn_returns_advantages,
 }
-TOKEN_LEVEL = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
+TOKEN_LEVEL = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae", "gigpo", "turn_returns"})
 NEEDS_VALUES = frozenset({"gae"})
+NEEDS_TURNS = frozenset({"gigpo", "turn_returns"})  # read the trajectories' turns (algos.turns)
+WHITENS = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
@@ -242,17 +239,30 @@ def compute_advantages(
     eps: float = 1e-6,
     gamma: float = 1.0,
     lam: float = 1.0,
+    turns: Turns | None = None,
+    step_weight: float = 1.0,
+    step_norm: str = "std",
+    whiten_std: str = "population",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run estimator ``name``; returns (advantages (N,) or (N, T), value targets or None).
 
     Outcome estimators see ``rewards`` already shaped by the caller (a KL-in-reward penalty is
     summed into the per-trajectory reward); token estimators get ``token_rewards`` per token.
+    The turn estimators (``gigpo``, ``turn_returns``) read ``turns``; ``gigpo`` also
+    ``step_weight`` and ``step_norm``; the whitening ones ``whiten_std``.
     """
     fn = get_advantage_fn(name)
     if name not in TOKEN_LEVEL:
         return fn(rewards, group_ids, eps=eps), None
     if loss_mask is None:
         raise ValueError(f"advantage estimator {name!r} needs the loss mask (token level)")
+    if name in NEEDS_TURNS:
+        kw: dict[str, Any] = {"step_weight": step_weight, "step_norm": step_norm}
+        adv = fn(
+            rewards, group_ids, loss_mask=loss_mask, turns=turns, gamma=gamma, eps=eps,
+            **(kw if name == "gigpo" else {}),
+        )  # fmt: skip
+        return adv, None
     if name in NEEDS_VALUES:
         if values is None:
             raise ValueError(f"advantage estimator {name!r} needs values from a value model")
@@ -264,8 +274,10 @@ def compute_advantages(
             token_rewards=token_rewards,
             gamma=gamma,
             lam=lam,
+            whiten_std=whiten_std,
         )
         return adv, ret
     return fn(
-        rewards, group_ids, loss_mask=loss_mask, token_rewards=token_rewards, gamma=gamma
-    ), None
+        rewards, group_ids, loss_mask=loss_mask, token_rewards=token_rewards, gamma=gamma,
+        whiten_std=whiten_std,
+    ), None  # fmt: skip

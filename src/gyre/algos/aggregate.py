@@ -43,14 +43,19 @@ class StepCounts:
     norm_len: float
 
     @classmethod
-    def of(cls, loss_mask: torch.Tensor, norm_len: float = 0.0) -> StepCounts:
+    def of(
+        cls, loss_mask: torch.Tensor, norm_len: float = 0.0, count_masked_rows: bool = True
+    ) -> StepCounts:
         """Counts of a whole step's mask (B, T). ``norm_len`` 0: the step's longest row in loss
-        tokens (fixed per step; pass a constant such as the generation budget for Dr. GRPO)."""
+        tokens (fixed per step; pass a constant such as the generation budget for Dr. GRPO).
+        ``count_masked_rows`` False leaves rows without a loss token out of ``rows`` (verl's
+        seq-mean denominators); True counts every row (gyre's default)."""
         per_row = loss_mask.sum(dim=1)
         longest = float(per_row.max().item()) if per_row.numel() else 0.0
+        rows = loss_mask.shape[0] if count_masked_rows else int((per_row > 0).sum().item())
         return cls(
             tokens=float(loss_mask.sum().item()),
-            rows=float(loss_mask.shape[0]),
+            rows=float(rows),
             norm_len=float(norm_len) if norm_len > 0 else longest,
         )
 

@@ -182,14 +182,44 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(-d) + d - 1.0, min=-10.0, max=10.0)
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """abs = |logp - logp_ref| (verl's ``abs``)."""
+    return (logprobs - ref_logprobs).abs()
+
+
+KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def straight_through(estimator: KLFn) -> KLFn:
+    """verl's ``X+`` estimators: ``X``'s value in the forward, k2's gradient in the backward.
+
+    value = X.detach() + k2 - k2.detach(): the number logged and added to the loss is X's, the
+    gradient is k2's, d(logp - ref) per token -- the unbiased gradient of KL(pi || ref).
+    """
+
+    def fn(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+        k2 = kl_k2(logprobs, ref_logprobs)
+        return estimator(logprobs, ref_logprobs).detach() + k2 - k2.detach()
+
+    fn.__name__ = f"{estimator.__name__}_plus"
+    fn.__doc__ = f"{estimator.__name__}'s value with k2's gradient (see straight_through)."
+    return fn
+
+
+KL_ESTIMATORS: dict[str, KLFn] = {
     "k1": kl_k1,
     "k2": kl_k2,
     "k3": kl_k3,
+    "low_var_kl": kl_k3,  # verl's name for k3 clamped to [-10, 10]: the same function
+    "abs": kl_abs,
+    "k1+": straight_through(kl_k1),
+    "k3+": straight_through(kl_k3),
+    "low_var_kl+": straight_through(kl_k3),
+    "abs+": straight_through(kl_abs),
 }
 
 
-def get_kl_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def get_kl_fn(name: str) -> KLFn:
     return lookup(KL_ESTIMATORS, name, "KL estimator")
 
 

@@ -23,7 +23,9 @@ class Env(Protocol):
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         """Apply the policy's text; return (observation, reward, done, info).
 
-        ``info`` of the final step carries ``success`` (bool).
+        ``info`` of the final step carries ``success`` (bool). An env may put a hashable
+        ``info["state"]`` (the state the next action starts from) and offer ``state_key()`` (the
+        state after ``reset``): the turn-level estimators (``gigpo``) group turns by it.
         """
         ...
 

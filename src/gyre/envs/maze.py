@@ -196,8 +196,15 @@ class MazeEnv:
             "shortest": self.shortest,
             "budget": self.budget,
             "malformed": move is None,
+            "state": self.state_key(),
         }
         return self.render(), (1.0 if success else 0.0), self.done, info
+
+    def state_key(self) -> tuple[int, int]:
+        """The agent's cell: the anchor-state key of turn-level credit (GiGPO). Within one task
+        (one seed: the same walls and goal) the cell is what the next move's outcome depends
+        on; a move into a wall leaves the key unchanged."""
+        return (int(self.pos[0]), int(self.pos[1]))
 
     def _cell(self, r: int, c: int) -> str:
         if not (0 <= r < self.size and 0 <= c < self.size) or self.walls[r, c]:

@@ -16,7 +16,7 @@ seed ``train_seed(run.seed, STREAM_GRPO, i)``; every trajectory gets ``group_id 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
 from gyre.rollout.episodes import RolloutStats, run_episodes
 from gyre.rollout.evaluate import evaluate, train_seed
+from gyre.rollout.replay import LevelReplay
 from gyre.rollout.stops import Stops, derive_stops
 from gyre.telemetry import timed
 from gyre.types import SamplingParams, Trajectory
@@ -90,6 +91,8 @@ class Rollout:
         self.make_env = env_factory(cfg.env)
         check_prompts(cfg, self.make_env, tokenizer, context_limit(engine))  # before any rollout
         self.next_task = 0  # the local task stream's position (tasks consumed so far)
+        replay = cfg.train.level_replay
+        self.replay = LevelReplay(replay, cfg.run.seed) if replay.prob > 0 else None
 
     @classmethod
     def build(
@@ -133,8 +136,17 @@ class Rollout:
     ) -> tuple[list[Trajectory], RolloutStats]:
         """``group_size`` episodes of each of the tasks ``first_task ..`` (+ ``num_tasks``),
         sampled with ``seed``, then scored by the reward functions (``m`` gets their metrics)."""
+        return self.play_tasks(range(first_task, first_task + num_tasks), seed, m, step)
+
+    def play_tasks(
+        self,
+        tasks: Sequence[int],
+        seed: int,
+        m: dict[str, float] | None = None,
+        step: int = 0,
+    ) -> tuple[list[Trajectory], RolloutStats]:
+        """:meth:`play` of any task indices (level replay mixes old ones with new ones)."""
         cfg, G = self.cfg, self.cfg.train.group_size
-        tasks = range(first_task, first_task + num_tasks)
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         stats = RolloutStats()
         params = sampling_params(cfg, self.tokenizer, seed)
@@ -143,7 +155,7 @@ class Rollout:
             continuous=cfg.perf.continuous,
         )  # fmt: skip
         for i, t in enumerate(trajs):
-            t.group_id = first_task + i // G
+            t.group_id = tasks[i // G]
             t.traj_id = f"{t.group_id}:{i % G}"
         if self.rewarder is not None:  # t.reward becomes the weighted total
             m = {} if m is None else m
@@ -158,9 +170,23 @@ class Rollout:
         m: dict[str, float] = {}
         totals = RolloutStats()
 
+        used: set[int] = set()  # level replay: tasks already in this step
+
         def round_(n_tasks: int, rnd: int) -> list[Trajectory]:
-            trajs, stats = self.play(self.next_task, n_tasks, rollout_seed(cfg, step, rnd), m, step)
-            self.next_task += n_tasks
+            if self.replay is None:
+                tasks, new = list(range(self.next_task, self.next_task + n_tasks)), n_tasks
+            else:
+                tasks, new = self.replay.draw(n_tasks, self.next_task, step, rnd, used)
+                used.update(tasks)
+            trajs, stats = self.play_tasks(tasks, rollout_seed(cfg, step, rnd), m, step)
+            self.next_task += new
+            if self.replay is not None:
+                for t in trajs:
+                    if t.group_id < self.next_task - new:  # a replay: traj ids stay unique
+                        t.traj_id += f"@{step}"
+                self.replay.update(trajs)
+                m["rollout/replayed_tasks"] = m.get("rollout/replayed_tasks", 0.0) + n_tasks - new
+                m["rollout/replay_buffer"] = float(len(self.replay.scores))
             for k in ("seconds", "generated_tokens", "turns", "failed_episodes"):
                 setattr(totals, k, getattr(totals, k) + getattr(stats, k))
             return trajs
@@ -176,16 +202,19 @@ class Rollout:
         return trajs, m
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out evaluation of the engine's current weights with the run's settings."""
-        cfg = self.cfg
-        if cfg.eval.episodes == 0:
-            return {}
+        """Held-out evaluation (``eval/*``) and validation (``val/*``, when
+        ``eval.validation_episodes``) of the engine's current weights with the run's settings."""
+        cfg, out = self.cfg, {}
         s = cfg.train.sampling
-        return evaluate(
-            self.engine, self.make_env, self.tokenizer, cfg.eval.episodes, s.temperature,
-            s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed, top_p=s.top_p,
-            continuous=cfg.perf.continuous, stops=run_stops(cfg, self.tokenizer),
-        )  # fmt: skip
+        stops = run_stops(cfg, self.tokenizer)
+        for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
+            if n:
+                out.update(evaluate(
+                    self.engine, self.make_env, self.tokenizer, n, s.temperature,
+                    s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed,
+                    top_p=s.top_p, split=split, continuous=cfg.perf.continuous, stops=stops,
+                ))  # fmt: skip
+        return out
 
     # -- weights ------------------------------------------------------------------------------
     @property

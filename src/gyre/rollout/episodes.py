@@ -108,6 +108,9 @@ def run_episodes(
     mask: list[list[int]] = []
     lps: list[list[float]] = []
     infos: list[dict] = [{} for _ in range(n)]
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    states: list[list[Any]] = [[] for _ in range(n)]
+    turn_r: list[list[float]] = [[] for _ in range(n)]
     failed: set[int] = set()
     # Texts repeat across a group (the same first observation G times, the same answers):
     # encode / decode each distinct one once per rollout (a tokenizer call costs ~50 us).
@@ -123,6 +126,7 @@ def run_episodes(
                 infos[i] = _env_failure(i, int(seed), "reset")
                 failed.add(i)
                 first_obs = ""
+            states[i].append(initial_state(envs[i]))
             first = list(first_ids(first_obs)) or [tokenizer.pad_token_id]
             ids.append(first)
             mask.append([0] * len(first))
@@ -150,6 +154,7 @@ def run_episodes(
         cut = cut_at_stop(toks, params.stop_strings, decode)
         if cut is not None:  # a stop string: keep the sampled ids up to the token completing it
             toks, reason = toks[:cut], "stop"
+        spans[i].append((len(ids[i]), len(ids[i]) + len(toks)))
         ids[i].extend(toks)
         mask[i].extend([1] * len(toks))
         lps[i].extend(out.logprobs[: len(toks)])
@@ -165,9 +170,11 @@ def run_episodes(
             failed.add(i)
             return False
         reward[i] += r
+        turn_r[i].append(float(r))
         infos[i] = info
         if done:
             return False
+        states[i].append(info.get("state"))  # the state the next turn's action starts from
         obs_ids = encode(obs)  # only read (extended into the row), never changed
         ids[i].extend(obs_ids)
         mask[i].extend([0] * len(obs_ids))
@@ -214,6 +221,9 @@ def run_episodes(
             task_seed=int(task_seeds[i // group_size]),
             info=infos[i],
             truncated=truncated[i],
+            turn_spans=spans[i],
+            turn_states=states[i][: len(spans[i])],
+            turn_rewards=turn_r[i] + [0.0] * (len(spans[i]) - len(turn_r[i])),
         )
         for i in range(n)
     ]
@@ -223,6 +233,13 @@ def run_episodes(
         stats.turns += sum(turns)
         stats.failed_episodes += len(failed)
     return trajs
+
+
+def initial_state(env: Env) -> Any:
+    """The state key before the first action: the env's ``state_key()`` where it has one, else
+    a constant (every episode of a group starts from the same ``reset(seed)``)."""
+    key = getattr(env, "state_key", None)
+    return key() if callable(key) else ("start",)
 
 
 def _env_failure(episode: int, seed: int, where: str) -> dict:

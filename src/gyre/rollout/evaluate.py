@@ -1,7 +1,13 @@
 """Held-out evaluation: success rate (greedy and sampled) and mean moves on fixed seeds.
 
-Evaluation seeds live in ``[EVAL_SEED_BASE, EVAL_SEED_BASE + episodes)``; training and SFT
-seeds are drawn from ``[0, EVAL_SEED_BASE)``, so no held-out task is ever trained on.
+Three disjoint seed ranges (``eval.episodes`` and ``eval.validation_episodes`` are at most 2^31):
+
+    training (SFT demos, GRPO tasks)   [0, 2^31)                      train_seed
+    held-out evaluation                [2^31, 2^31 + episodes)        eval_seeds
+    validation                         [2^32, 2^32 + episodes)        validation_seeds
+
+so no held-out or validation task is ever trained on, and a choice made on validation results
+(e.g. which checkpoint to keep) never looks at the held-out tasks.
 """
 
 from __future__ import annotations
@@ -18,10 +24,22 @@ from gyre.rollout.stops import Stops, derive_stops
 from gyre.types import SamplingParams
 
 EVAL_SEED_BASE = 2**31
+VAL_SEED_BASE = 2**32
+MAX_EPISODES = 2**31  # eval.episodes / eval.validation_episodes bound: the ranges never meet
 
 
 def eval_seeds(episodes: int) -> list[int]:
-    return [EVAL_SEED_BASE + i for i in range(episodes)]
+    return _seed_range(EVAL_SEED_BASE, episodes)
+
+
+def validation_seeds(episodes: int) -> list[int]:
+    return _seed_range(VAL_SEED_BASE, episodes)
+
+
+def _seed_range(base: int, episodes: int) -> list[int]:
+    if not 0 <= episodes <= MAX_EPISODES:
+        raise ValueError(f"episodes must lie in [0, 2^31], got {episodes}")
+    return [base + i for i in range(episodes)]
 
 
 def train_seed(run_seed: int, stream: int, index: int) -> int:
@@ -40,13 +58,18 @@ def evaluate(
     sampled: bool = True,
     seed: int = 0,
     top_p: float = 1.0,
+    split: str = "eval",
     continuous: bool = True,
     stops: Stops | None = None,
 ) -> dict[str, float]:
-    """Greedy (and sampled) success and mean moves on the held-out seeds; ``continuous`` is
-    ``perf.continuous`` (see :func:`gyre.rollout.episodes.run_episodes`); ``stops`` the run's
-    (default: derived from the tokenizer)."""
-    seeds = eval_seeds(episodes)
+    """Success rate and mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
+    seeds, ``val``: validation seeds), greedy and (with ``sampled``) sampled; metrics
+    ``<split>/success_greedy`` ...; ``continuous`` is ``perf.continuous`` (see
+    :func:`gyre.rollout.episodes.run_episodes`); ``stops`` the run's (default: derived from
+    the tokenizer)."""
+    if split not in ("eval", "val"):
+        raise ValueError(f"unknown evaluation split {split!r}; valid: eval, val")
+    seeds = eval_seeds(episodes) if split == "eval" else validation_seeds(episodes)
     stops = derive_stops(tokenizer) if stops is None else stops
     out: dict[str, float] = {}
     modes = [("greedy", 0.0, 1.0)] + ([("sampled", temperature, top_p)] if sampled else [])
@@ -60,6 +83,6 @@ def evaluate(
             stop_strings=stops.strings,
         )
         trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params, continuous=continuous)
-        out[f"eval/success_{name}"] = float(np.mean([t.success for t in trajs]))
-        out[f"eval/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
+        out[f"{split}/success_{name}"] = float(np.mean([t.success for t in trajs]))
+        out[f"{split}/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
     return out

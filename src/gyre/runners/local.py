@@ -59,6 +59,8 @@ class LocalPlacement:
             state = trainer.restore(plan.ckpt, rollout.generators())
             rollout.engine.version = int(state.get("policy_version", state["step"]))
             rollout.next_task = int(state["cursor"])
+            if rollout.replay is not None:
+                rollout.replay.load_state_dict(state.get("level_replay", {}))
         lora = cfg.model.lora is not None
         sft_base = run_dir / "sft" if lora and (run_dir / "sft").is_dir() else None
         rollout.start_sync(trainer.model, sft_base)
@@ -88,7 +90,10 @@ class LocalPlacement:
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         assert self.rollout_ is not None
-        return {"cursor": self.rollout_.next_task, "policy_version": self.rollout_.version}
+        out = {"cursor": self.rollout_.next_task, "policy_version": self.rollout_.version}
+        if self.rollout_.replay is not None:
+            out["level_replay"] = self.rollout_.replay.state_dict()
+        return out
 
     def save(self, step: int, state: dict[str, Any]) -> str | None:
         assert self.trainer is not None and self.rollout_ is not None and self.ckpt is not None

@@ -475,7 +475,7 @@ class RayPlacement:
         return m
 
     def evaluate(self) -> dict[str, float]:
-        if not self.cfg.eval.episodes:
+        if not (self.cfg.eval.episodes or self.cfg.eval.validation_episodes):
             return {}
         for _ in range(3):
             i = min(self.idle) if self.idle else 0

@@ -24,14 +24,17 @@ from typing import Any
 
 import torch
 
+from gyre.algos.advantages import NEEDS_TURNS, WHITENS
+from gyre.algos.turns import Turns
 from gyre.checkpoint.resume import Checkpointer, check_parameters_finite
 from gyre.checkpoint.store import load_into, seed_everything
-from gyre.config import Config
+from gyre.config import AlgoConfig, Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state
 from gyre.trainer.batch import collate
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.overlong import apply_overlong
+from gyre.trainer.schedule import build_scheduler
 from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
 from gyre.types import Trajectory
@@ -57,6 +60,14 @@ class Trainer:
         self.ref_model = ref_model
         self.value_model = value_model
         self.comm = comm  # gyre.trainer.distributed collective, or None (one process)
+        t = cfg.train
+        # Only a run that asks for a schedule has one: the default run's optimizer, checkpoints
+        # and metrics stay exactly what they were (no scheduler.pt, no train/lr).
+        self.scheduler = (
+            build_scheduler(optimizer, t.warmup_steps, t.steps, t.lr_schedule, t.min_lr_ratio)
+            if t.lr_schedule != "constant" or t.warmup_steps > 0
+            else None
+        )
 
     # -- building ----------------------------------------------------------------------------
     @classmethod
@@ -117,6 +128,8 @@ class Trainer:
         device = next(self.model.parameters()).device
         algo, train = cfg.train.algo, cfg.train
         scoring = ScoringOptions.from_perf(cfg.perf)
+        if self.scheduler is not None:
+            m["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
         batch = collate(trajs, self.tokenizer.pad_token_id, device)
@@ -128,7 +141,7 @@ class Trainer:
         )
         adv, adv_m = batch_advantages(
             algo.advantage, shaped, groups, batch, train,
-            eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
+            eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam, **_estimator_kw(algo, trajs),
         )  # fmt: skip
         m.update(adv_m)
         gen = torch.Generator()
@@ -143,6 +156,8 @@ class Trainer:
         )  # fmt: skip
         m.update(upd)
         check_parameters_finite(self.model, "GRPO", step)  # exit 3, nothing synced or saved
+        if self.scheduler is not None:
+            self.scheduler.step()  # once per GRPO step (docs/algorithms.md, LR schedules)
         return m
 
     def _sync_grads(self, model: torch.nn.Module) -> None:
@@ -169,6 +184,8 @@ class Trainer:
             "model": {k: v.detach().clone() for k, v in trainable_state(self.model).items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
+        if self.scheduler is not None:
+            out["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
         if self.value_model is not None:
             out["value_model"] = copy.deepcopy(self.value_model.state_dict())
             out["value_optimizer"] = copy.deepcopy(self.value_model.optimizer.state_dict())
@@ -180,6 +197,8 @@ class Trainer:
             for k, v in state["model"].items():
                 own[k].copy_(v)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
         if self.value_model is not None and "value_model" in state:
             self.value_model.load_state_dict(state["value_model"])
             self.value_model.optimizer.load_state_dict(state["value_optimizer"])
@@ -197,16 +216,28 @@ class Trainer:
         extra = self.value_model.save if self.value_model is not None else None
         return ckpt.save(
             "grpo", step, self.model, self.tokenizer, self.optimizer, state, metrics_path,
-            None, generators, extra=extra,
+            self.scheduler, generators, extra=extra,
         )  # fmt: skip
 
     def restore(self, ckpt: Path, generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Optimizer, RNGs and value model from a checkpoint (the policy was loaded by
         :meth:`build` from its ``model/``); returns its ``state.json``."""
-        state = load_into(ckpt, self.optimizer, None, generators)
+        state = load_into(ckpt, self.optimizer, self.scheduler, generators)
         if self.value_model is not None:
             self.value_model.load(ckpt)
         return state
+
+
+def _estimator_kw(algo: AlgoConfig, trajs: list[Trajectory]) -> dict[str, Any]:
+    """The estimator keywords beyond eps / gamma / lam that ``algo.advantage`` reads."""
+    if algo.advantage in NEEDS_TURNS:
+        kw: dict[str, Any] = {"turns": Turns.of(trajs)}
+        if algo.advantage == "gigpo":
+            kw.update(step_weight=algo.gigpo_step_weight, step_norm=algo.gigpo_step_norm)
+        return kw
+    if algo.advantage in WHITENS:
+        return {"whiten_std": algo.whiten_std}
+    return {}
 
 
 def _join_group(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -229,10 +230,12 @@ def batch_advantages(
     eps: float | None = None,
     gamma: float | None = None,
     lam: float | None = None,
+    **estimator: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages (B,) or (B, T) for ``batch``; value targets land in ``batch.extras``.
 
-    ``eps``, ``gamma``, ``lam`` default to ``train.adv_eps``, ``train.algo.gamma`` / ``lam``.
+    ``eps``, ``gamma``, ``lam`` default to ``train.adv_eps``, ``train.algo.gamma`` / ``lam``;
+    ``estimator``: further keywords of :func:`gyre.algos.compute_advantages` (``turns``, ...).
     KL in the reward (``kl_in == 'reward'``, needs ``ref_logprobs`` from :func:`prepare_batch`):
     token estimators get -kl_coef * KL_t per policy token; outcome estimators get the reward
     minus kl_coef * sum_t KL_t (the sequence's KL).
@@ -259,6 +262,7 @@ def batch_advantages(
         eps=train.adv_eps if eps is None else eps,
         gamma=train.algo.gamma if gamma is None else gamma,
         lam=train.algo.lam if lam is None else lam,
+        **estimator,
     )
     if returns is not None:
         batch.extras["returns"] = returns
@@ -405,7 +409,8 @@ def _optimizer_step(
     if run.value_model is not None:
         run.value_model.optimizer.zero_grad(set_to_none=True)
     # Denominators of the whole optimizer step, fixed before the micro-batch loop.
-    counts = StepCounts.of(mini.loss_mask, run.train.algo.loss_norm_len)
+    algo = run.train.algo
+    counts = StepCounts.of(mini.loss_mask, algo.loss_norm_len, algo.count_masked_rows)
     if run.reduce_counts is not None:
         counts = run.reduce_counts(counts)
     n_rows = len(mini_idx)

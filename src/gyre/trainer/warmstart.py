@@ -34,6 +34,7 @@ from gyre.rollout.episodes import demonstrate
 from gyre.rollout.evaluate import train_seed
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from gyre.trainer.batch import collate
+from gyre.trainer.schedule import build_scheduler
 from gyre.trainer.sft import sft_step
 from gyre.types import Trajectory
 
@@ -91,9 +92,8 @@ def run_sft(
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
     demos = demonstrations(cfg, run_dir, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.sft.warmup_steps))
-    )
+    sft = cfg.sft
+    sched = build_scheduler(opt, sft.warmup_steps, sft.steps, sft.lr_schedule, sft.min_lr_ratio)
     cursor = TaskCursor(len(demos), np.random.default_rng([cfg.run.seed, STREAM_SFT, 1]))
     start, streak = 0, 0
     if resuming:
