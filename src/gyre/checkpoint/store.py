@@ -34,6 +34,7 @@ and the config identity a resume must match is :mod:`gyre.checkpoint.identity`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -141,8 +142,17 @@ def fault_point(point: str) -> None:
 
 
 # -- storage -----------------------------------------------------------------------------------
-def write_model_dir(final: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
-    """Save a Hugging Face folder (``sft/``, ``final/``) atomically, with a manifest."""
+ENV_RECORD = "gyre_env.json"  # in sft/ and final/: the env (and stop) config it was trained on
+
+
+def write_model_dir(
+    final: Path, model: torch.nn.Module, tokenizer: Any, trained_on: dict[str, Any] | None = None
+) -> Path:
+    """Save a Hugging Face folder (``sft/``, ``final/``) atomically, with a manifest.
+
+    ``trained_on`` (``{"env": ..., "rollout": ...}`` config sections) goes to ``gyre_env.json``,
+    so ``gyre eval`` / ``gyre train`` on this folder use the env it was trained on.
+    """
     final = Path(final)
     check_finite(model, final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +163,8 @@ def write_model_dir(final: Path, model: torch.nn.Module, tokenizer: Any) -> Path
         stage.mkdir()
         model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
+        if trained_on is not None:
+            (stage / ENV_RECORD).write_text(json.dumps(trained_on, indent=2, sort_keys=True))
         fault_point("model.write")
         write_manifest(stage, {"kind": "model"})
         fsync_tree(stage)

@@ -30,9 +30,10 @@ from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
 from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
-from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids
+from gyre.rollout.episodes import RolloutStats, run_episodes
 from gyre.rollout.evaluate import evaluate, train_seed
 from gyre.rollout.replay import LevelReplay
+from gyre.rollout.stops import Stops, derive_stops
 from gyre.telemetry import timed
 from gyre.types import SamplingParams, Trajectory
 
@@ -44,9 +45,17 @@ def rollout_seed(cfg: Config, step: int, round_: int = 0) -> int:
     return (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
 
 
+def run_stops(cfg: Config, tokenizer: Any) -> Stops:
+    """The run's stop tokens and strings: ``rollout.*`` or derived from the tokenizer."""
+    return derive_stops(tokenizer, cfg.rollout.stop_tokens, cfg.rollout.stop_strings)
+
+
 def sampling_params(cfg: Config, tokenizer: Any, seed: int | None) -> SamplingParams:
-    s = cfg.train.sampling
-    return SamplingParams(s.temperature, s.top_p, s.max_new_tokens, stop_ids(tokenizer), seed)
+    s, stops = cfg.train.sampling, run_stops(cfg, tokenizer)
+    return SamplingParams(
+        s.temperature, s.top_p, s.max_new_tokens, stops.token_ids, seed,
+        stop_strings=stops.strings,
+    )  # fmt: skip
 
 
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
@@ -197,12 +206,13 @@ class Rollout:
         ``eval.validation_episodes``) of the engine's current weights with the run's settings."""
         cfg, out = self.cfg, {}
         s = cfg.train.sampling
+        stops = run_stops(cfg, self.tokenizer)
         for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
             if n:
                 out.update(evaluate(
                     self.engine, self.make_env, self.tokenizer, n, s.temperature,
                     s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed,
-                    top_p=s.top_p, split=split, continuous=cfg.perf.continuous,
+                    top_p=s.top_p, split=split, continuous=cfg.perf.continuous, stops=stops,
                 ))  # fmt: skip
         return out
 

@@ -19,7 +19,8 @@ from transformers import PreTrainedTokenizerBase
 
 from gyre.engines.base import Engine
 from gyre.envs.base import Env
-from gyre.rollout.episodes import run_episodes, stop_ids
+from gyre.rollout.episodes import run_episodes
+from gyre.rollout.stops import Stops, derive_stops
 from gyre.types import SamplingParams
 
 EVAL_SEED_BASE = 2**31
@@ -59,14 +60,17 @@ def evaluate(
     top_p: float = 1.0,
     split: str = "eval",
     continuous: bool = True,
+    stops: Stops | None = None,
 ) -> dict[str, float]:
     """Success rate and mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
     seeds, ``val``: validation seeds), greedy and (with ``sampled``) sampled; metrics
     ``<split>/success_greedy`` ...; ``continuous`` is ``perf.continuous`` (see
-    :func:`gyre.rollout.episodes.run_episodes`)."""
+    :func:`gyre.rollout.episodes.run_episodes`); ``stops`` the run's (default: derived from
+    the tokenizer)."""
     if split not in ("eval", "val"):
         raise ValueError(f"unknown evaluation split {split!r}; valid: eval, val")
     seeds = eval_seeds(episodes) if split == "eval" else validation_seeds(episodes)
+    stops = derive_stops(tokenizer) if stops is None else stops
     out: dict[str, float] = {}
     modes = [("greedy", 0.0, 1.0)] + ([("sampled", temperature, top_p)] if sampled else [])
     for name, temp, tp in modes:
@@ -74,8 +78,9 @@ def evaluate(
             temperature=temp,
             top_p=tp,
             max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_ids(tokenizer),
+            stop_token_ids=stops.token_ids,
             seed=seed,
+            stop_strings=stops.strings,
         )
         trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params, continuous=continuous)
         out[f"{split}/success_{name}"] = float(np.mean([t.success for t in trajs]))

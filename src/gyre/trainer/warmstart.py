@@ -27,9 +27,10 @@ from gyre.checkpoint.resume import (
 from gyre.checkpoint.snapshot import load_into
 from gyre.checkpoint.store import write_model_dir
 from gyre.config import Config
-from gyre.envs import env_factory
+from gyre.envs import Demonstrator, env_factory
+from gyre.envs.record import trained_on
 from gyre.models.build import load_pretrained
-from gyre.rollout.core import STREAM_SFT
+from gyre.rollout.core import STREAM_SFT, run_stops
 from gyre.rollout.episodes import demonstrate
 from gyre.rollout.evaluate import train_seed
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
@@ -41,17 +42,30 @@ from gyre.types import Trajectory
 
 def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajectory]:
     """``sft.demos`` noisy-expert episodes on the SFT task stream, cached in ``sft_demos.pt``
-    under a key of everything they depend on (rebuilt when any of it changes)."""
+    under a key of everything they depend on (rebuilt when any of it changes). Every answer
+    ends with the token the rollout stops at (:attr:`gyre.rollout.stops.Stops.terminator`)."""
     make_env = env_factory(cfg.env)
+    if not isinstance(make_env(), Demonstrator):
+        raise ValueError(
+            f"env.name={cfg.env.name!r} has no demonstrator (expert_action / random_action), so "
+            f"SFT cannot warm-start on it: set sft.steps=0 (it is {cfg.sft.steps})"
+        )
+    terminator = run_stops(cfg, tokenizer).terminator
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
     key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
-           "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab()}  # fmt: skip
+           "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab(),
+           "terminator": list(terminator)}  # fmt: skip
     return cached(
         run_dir / "sft_demos.pt",
         key,
         lambda: [
             demonstrate(
-                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng
+                make_env,
+                tokenizer,
+                train_seed(cfg.run.seed, STREAM_SFT, k),
+                cfg.sft.noise,
+                rng,
+                terminator=terminator,
             )
             for k in range(cfg.sft.demos)
         ],
@@ -120,6 +134,6 @@ def run_sft(
             preempt_if_requested(guard, "sft", step, saved, lambda s=step: save(s))
     finally:
         sink.close()
-    write_model_dir(out_dir, model, tokenizer)
+    write_model_dir(out_dir, model, tokenizer, trained_on(cfg))
     ckpt.drop_sft()
     return out_dir
