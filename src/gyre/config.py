@@ -566,6 +566,45 @@ class SandboxConfig(_Section):
     )
 
 
+class RolloutConfig(_Section):
+    """Message-mode rollouts: chat templates, tool calls, limits (docs/envs.md)."""
+
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools offered to the model in message mode: built-in names (calculator, "
+        "python) or 'module:attr' import paths of a gyre.rollout.tools.Tool.",
+    )
+    tool_parser: str = Field(
+        "hermes",
+        description="How tool calls are read from the model's text (gyre.rollout.tools "
+        "PARSERS; hermes: <tool_call>{json}</tool_call>, Qwen's format).",
+    )
+    stepwise: bool = Field(
+        False,
+        description="Message mode: every assistant turn is its own training sample whose prompt "
+        "is the template's rendering at that turn; turns share their episode's advantage.",
+    )
+    max_turns: int = Field(
+        16, gt=0, description="Message mode: most assistant turns per episode (then truncated)."
+    )
+    max_tool_calls: int = Field(
+        8, ge=0, description="Message mode: most tool calls per episode; later ones get an error."
+    )
+    max_context_tokens: int = Field(
+        0,
+        ge=0,
+        description="Message mode: an episode whose tokens would pass this ends as truncated "
+        "(rollout/truncated_context); 0: no limit.",
+    )
+    tool_output_chars: int = Field(
+        2000, gt=0, description="Longest tool result text given back to the model (cut after)."
+    )
+    python: SandboxConfig = Field(
+        default_factory=lambda: SandboxConfig(timeout_s=5.0, memory_mb=512, workers=1),
+        description="Sandbox of the python tool (time, memory, network; gyre.rewards.sandbox).",
+    )
+
+
 class RewardConfig(_Section):
     functions: list[RewardFnConfig] = Field(
         default_factory=list,
@@ -636,6 +675,9 @@ class Config(_Section):
     faults: FaultsConfig = Field(
         default_factory=FaultsConfig, description="Fault tolerance policies."
     )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="Message-mode rollouts: tools and limits."
+    )
     perf: PerfConfig = Field(
         default_factory=PerfConfig,
         description="Speed switches of scoring, engine and rollout (docs/performance.md).",
@@ -651,6 +693,19 @@ class Config(_Section):
         if v.resume not in ("auto", "never") and not v.resume:
             raise ValueError("run.resume must be 'auto', 'never' or a path")
         return v
+
+    @model_validator(mode="after")
+    def _check_stepwise(self) -> Config:
+        if self.rollout.stepwise:
+            adv = self.train.algo.advantage
+            if adv not in ("grpo", "dr_grpo", "rloo"):
+                raise ValueError(
+                    f"rollout.stepwise needs an outcome estimator (grpo, dr_grpo, rloo); "
+                    f"train.algo.advantage={adv} is per token"
+                )
+            if self.train.dapo.overlong_buffer_len > 0:
+                raise ValueError("rollout.stepwise: train.dapo.overlong_buffer_len must be 0")
+        return self
 
     @model_validator(mode="after")
     def _check_ray(self) -> Config:

@@ -67,6 +67,11 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     truncated: bool = False  # the episode's last completion hit max_new_tokens (no stop token)
     traj_id: str = ""  # unique in a run ("<task index>:<sample>") where a runner assigns it
+    steps: list[Trajectory] | None = None
+    """Step-wise samples (``rollout.stepwise``): one per assistant turn, its prompt as the chat
+    template rendered that turn, mask 1 on that turn's sampled ids. When set, the trainer trains
+    on these instead of ``token_ids`` (each gets this episode's reward, group and advantage;
+    ``gyre.trainer.stepwise``); ``token_ids`` stays the whole episode, for rewards and logs."""
 
     @property
     def num_generated(self) -> int:

@@ -140,10 +140,11 @@ def _files(root: Path) -> list[str]:
 
 def write_manifest(root: Path, extra: Mapping[str, Any]) -> dict[str, Any]:
     """Hash every file under ``root`` into ``root/manifest.json``; return the manifest."""
-    files = {rel: {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
-             for rel in _files(root)}
-    manifest = {"format": FORMAT_VERSION, "gyre_version": gyre.__version__, **extra,
-                "files": files}
+    files = {
+        rel: {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
+        for rel in _files(root)
+    }
+    manifest = {"format": FORMAT_VERSION, "gyre_version": gyre.__version__, **extra, "files": files}
     (root / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -553,8 +554,16 @@ def check_config(ckpt: Path, config: Mapping[str, Any]) -> None:
 
 
 # Model config keys that say nothing about the weights' shape or meaning.
-_MODEL_KEYS_IGNORED = {"transformers_version", "_name_or_path", "dtype", "torch_dtype",
-                       "architectures", "use_cache", "output_attentions", "output_hidden_states"}
+_MODEL_KEYS_IGNORED = {
+    "transformers_version",
+    "_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "architectures",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+}
 
 
 def check_model(ckpt_model: Path, base_model: Path) -> None:

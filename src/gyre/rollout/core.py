@@ -28,9 +28,11 @@ from gyre.engines.factory import build_engine, initial_sync, torch_engine_option
 from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
+from gyre.rollout.chat import ChatMode
 from gyre.rollout.dapo import sample_groups
 from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids
 from gyre.rollout.evaluate import evaluate, train_seed
+from gyre.rollout.tools import message_metrics, message_mode
 from gyre.telemetry import timed
 from gyre.types import SamplingParams, Trajectory
 
@@ -42,9 +44,12 @@ def rollout_seed(cfg: Config, step: int, round_: int = 0) -> int:
     return (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
 
 
-def sampling_params(cfg: Config, tokenizer: Any, seed: int | None) -> SamplingParams:
+def sampling_params(
+    cfg: Config, tokenizer: Any, seed: int | None, chat: ChatMode | None = None
+) -> SamplingParams:
     s = cfg.train.sampling
-    return SamplingParams(s.temperature, s.top_p, s.max_new_tokens, stop_ids(tokenizer), seed)
+    stops = stop_ids(tokenizer) if chat is None else chat.template.stop_ids()
+    return SamplingParams(s.temperature, s.top_p, s.max_new_tokens, stops, seed)
 
 
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
@@ -58,6 +63,7 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         "rollout/response_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
         "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
         "rollout/failed_episodes": float(sum(bool(t.info.get("failed")) for t in trajs)),
+        **message_metrics(trajs),
     }
 
 
@@ -77,7 +83,8 @@ class Rollout:
         self.tokenizer = tokenizer
         self.syncer = syncer
         self.rewarder = rewarder
-        self.make_env = env_factory(cfg.env)
+        # Message-mode envs get the chat template (and the tools' wrapper): rollout/tools.py.
+        self.make_env, self.chat, self.toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
         self.next_task = 0  # the local task stream's position (tasks consumed so far)
 
     @classmethod
@@ -126,10 +133,10 @@ class Rollout:
         tasks = range(first_task, first_task + num_tasks)
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         stats = RolloutStats()
-        params = sampling_params(cfg, self.tokenizer, seed)
+        params = sampling_params(cfg, self.tokenizer, seed, self.chat)
         trajs = run_episodes(
             self.make_env, self.engine, self.tokenizer, seeds, G, params, stats,
-            continuous=cfg.perf.continuous,
+            continuous=cfg.perf.continuous, chat=self.chat,
         )  # fmt: skip
         for i, t in enumerate(trajs):
             t.group_id = first_task + i // G
@@ -173,7 +180,7 @@ class Rollout:
         return evaluate(
             self.engine, self.make_env, self.tokenizer, cfg.eval.episodes, s.temperature,
             s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed, top_p=s.top_p,
-            continuous=cfg.perf.continuous,
+            continuous=cfg.perf.continuous, chat=self.chat,
         )  # fmt: skip
 
     # -- weights ------------------------------------------------------------------------------
@@ -209,6 +216,8 @@ class Rollout:
         self.engine.adopt(path, version, lora=self.cfg.model.lora is not None)
 
     def close(self) -> None:
+        if self.toolbox is not None:
+            self.toolbox.close()
         if self.rewarder is not None:
             self.rewarder.close()
         if hasattr(self.engine, "close"):

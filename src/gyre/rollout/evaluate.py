@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gyre.engines.base import Engine
 from gyre.envs.base import Env
+from gyre.rollout.chat import ChatMode
 from gyre.rollout.episodes import run_episodes, stop_ids
 from gyre.types import SamplingParams
 
@@ -40,9 +41,11 @@ def evaluate(
     seed: int = 0,
     top_p: float = 1.0,
     continuous: bool = True,
+    chat: ChatMode | None = None,
 ) -> dict[str, float]:
     """Greedy (and sampled) success and mean moves on the held-out seeds; ``continuous`` is
-    ``perf.continuous`` (see :func:`gyre.rollout.episodes.run_episodes`)."""
+    ``perf.continuous`` (see :func:`gyre.rollout.episodes.run_episodes`); ``chat``: message
+    mode (its template's stop tokens end a turn)."""
     seeds = eval_seeds(episodes)
     out: dict[str, float] = {}
     modes = [("greedy", 0.0, 1.0)] + ([("sampled", temperature, top_p)] if sampled else [])
@@ -51,10 +54,12 @@ def evaluate(
             temperature=temp,
             top_p=tp,
             max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_ids(tokenizer),
+            stop_token_ids=stop_ids(tokenizer) if chat is None else chat.template.stop_ids(),
             seed=seed,
         )
-        trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params, continuous=continuous)
+        trajs = run_episodes(
+            make_env, engine, tokenizer, seeds, 1, params, continuous=continuous, chat=chat
+        )
         out[f"eval/success_{name}"] = float(np.mean([t.success for t in trajs]))
         out[f"eval/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
     return out

@@ -33,6 +33,7 @@ from gyre.trainer.batch import collate
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.overlong import apply_overlong
 from gyre.trainer.scoring import ScoringOptions
+from gyre.trainer.stepwise import expand_steps
 from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
 from gyre.types import Trajectory
 
@@ -117,6 +118,7 @@ class Trainer:
         device = next(self.model.parameters()).device
         algo, train = cfg.train.algo, cfg.train
         scoring = ScoringOptions.from_perf(cfg.perf)
+        trajs, episodes = expand_steps(trajs)  # step-wise samples -> rows (trainer/stepwise.py)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
         batch = collate(trajs, self.tokenizer.pad_token_id, device)
@@ -128,7 +130,7 @@ class Trainer:
         )
         adv, adv_m = batch_advantages(
             algo.advantage, shaped, groups, batch, train,
-            eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam,
+            eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam, episodes=episodes,
         )  # fmt: skip
         m.update(adv_m)
         gen = torch.Generator()
