@@ -102,3 +102,15 @@ def test_profile_step_bench_quick() -> None:
         assert phases["step"] > 0
         for name in must:
             assert 0 < phases[name] <= phases["step"], (side, name, phases)
+
+
+AGENT = BENCH.parent / "agent.py"
+
+
+def test_agent_bench_quick() -> None:
+    report = _last_json(AGENT, "--quick", timeout=300)
+    assert report["bench"] == "agent" and report["threads"] == 1
+    for side in ("message", "raw", "hf_naive"):
+        assert report[side]["tok_s"] > 0 and report[side]["generated_tokens"] > 0, side
+        assert report[side]["turns"] >= 2 * 2 * 2, side  # E=2 x G=2 episodes x 2 user turns
+    assert report["ratio_message_vs_raw"] > 0 and report["ratio_message_vs_hf_naive"] > 0
