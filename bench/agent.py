@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the locally built chat tokenizer and message env
 
 from chat_helpers import AddEnv, build_chat_tokenizer  # noqa: E402
-
 from gyre.engines import TorchEngine  # noqa: E402
 from gyre.rollout.chat import ChatMode, ChatTemplate  # noqa: E402
 from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids  # noqa: E402
@@ -175,7 +174,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report["ratio_message_vs_hf_naive"] = report["message"]["tok_s"] / report["hf_naive"]["tok_s"]
     for k in sides:
         r = report[k]
-        print(f"{k:9s} {r['tok_s']:9.1f} tok/s  ({r['generated_tokens']} tokens, {r['turns']} turns)")
+        print(
+            f"{k:9s} {r['tok_s']:9.1f} tok/s  ({r['generated_tokens']} tokens, {r['turns']} turns)"
+        )
     print(
         f"message / raw: {report['ratio_message_vs_raw']:.2f}x   "
         f"message / hf_naive: {report['ratio_message_vs_hf_naive']:.2f}x"

@@ -165,6 +165,18 @@ class AddEnv:
         return [], float(ok), True, {"success": ok}
 
 
+class ShapedAddEnv(AddEnv):
+    """AddEnv (one follow-up) plus a small length bonus, so a random tiny model's groups have
+    reward variance (and the update a gradient) even when no answer is right."""
+
+    def __init__(self, follow_ups: int = 1) -> None:
+        super().__init__(follow_ups)
+
+    def step(self, action: str) -> tuple[list[dict[str, str]], float, bool, dict[str, Any]]:
+        msgs, r, done, info = super().step(action)
+        return msgs, r + (0.01 * len(action) if done else 0.0), done, info
+
+
 @dataclass
 class ScriptedEngine:
     """An engine that 'samples' given texts: turn k of every episode writes ``replies[k]``

@@ -211,3 +211,94 @@ TINY_ARITHMETIC_RUN = [
     "env.arithmetic.ops=+",
 ]
 """CLI overrides of a tiny run on the arithmetic env (2-layer, 32-wide model, operands 0-2)."""
+
+
+# -- a real-world tokenizer and model, built locally --------------------------------------------
+
+CHATML_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n\nYou may call one or more functions."
+    "\n\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+"""Qwen2's ChatML chat template (its documented format), with a ``tools`` block."""
+
+_BPE_TEXT = [
+    "1+2=3\n",
+    "2+2=4\n",
+    "0+1=1\n",
+    "the quick brown fox jumps over the lazy dog\n",
+    "move up, down, left or right until you reach the goal\n\n",
+    "What is 12+7? The answer is 19.\n",
+    "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nhi there<|im_end|>\n",
+]
+
+
+def bpe_chat_tokenizer(newline: bool = True, vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained here on a few lines of text, as Qwen2's is built:
+    ``ByteLevel`` pre-tokenizer and decoder, ``<|endoftext|>`` as EOS and padding,
+    ``<|im_start|>`` / ``<|im_end|>`` added special tokens and the ChatML chat template.
+
+    ``newline=False`` trains it without the byte alphabet on text that has no newline, so
+    ``"\\n"`` is no token of it (the case of tokenizers whose newline is not one token).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if newline else [],
+        show_progress=False,
+    )
+    text = _BPE_TEXT if newline else [t.replace("\n", " ") for t in _BPE_TEXT]
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def tiny_qwen2(tokenizer, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A 2-layer Qwen2 (grouped-query attention, q/k/v biases) over ``tokenizer``'s vocab."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model
+
+
+def save_qwen2_bpe(path: Path, seed: int = 0, newline: bool = True) -> Path:
+    """A tiny Qwen2 + byte-level BPE ChatML tokenizer saved with ``save_pretrained`` to ``path``
+    (a folder ``model.path`` / ``gyre serve`` can load)."""
+    tok = bpe_chat_tokenizer(newline=newline)
+    model = tiny_qwen2(tok, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -36,7 +36,7 @@ _KEYS_HELP = """common keys (all of them: gyre --help-config):
   sft.steps=N           SFT steps before GRPO (0 skips SFT)
   train.steps=N         GRPO steps
   eval.episodes=N       held-out episodes per evaluation
-  env.name=arithmetic   maze (default) or arithmetic"""
+  env.name=arithmetic   maze (default), arithmetic, dataset or a plug-in (docs/envs.md)"""
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
@@ -162,6 +162,17 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
     from gyre import loop
+
+    if ns.command in ("train", "eval"):
+        from gyre.envs.record import adopt_recorded_env
+
+        try:
+            note = adopt_recorded_env(cfg)
+        except ValueError as exc:
+            print(f"gyre: error: {exc}", file=sys.stderr)
+            return 1
+        if note:
+            print(f"gyre: {note}", file=sys.stderr)
 
     if ns.command == "verify-resume":
         from gyre.commands.verify_resume import verify_resume

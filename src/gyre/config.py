@@ -7,6 +7,7 @@ and bad values stop the run with an error that names the dotted key and the offe
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -111,9 +112,20 @@ class DatasetConfig(_Section):
     )
 
 
+BUILTIN_ENVS = ("maze", "arithmetic", "dataset")
+
+
 class EnvConfig(_Section):
-    name: Literal["maze", "arithmetic", "dataset"] = Field(
-        "maze", description="Which built-in environment."
+    name: str = Field(
+        "maze",
+        description="A built-in env (maze, arithmetic, dataset), a name given to "
+        "gyre.envs.register, an import path 'module:Class' or a file path 'envs.py:Class' "
+        "(docs/envs.md).",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of a plug-in env's class or factory (built-in envs "
+        "take their own sections instead).",
     )
     maze: MazeConfig = Field(default_factory=MazeConfig, description="Maze settings.")
     arithmetic: ArithmeticConfig = Field(
@@ -122,6 +134,26 @@ class EnvConfig(_Section):
     dataset: DatasetConfig = Field(
         default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _env_name(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("empty; give a built-in env, a registered name or 'module:Class'")
+        mod, sep, attr = v.rpartition(":")
+        if sep and (not mod.strip() or not attr.strip()):
+            raise ValueError(f"expected 'module:Class' or 'file.py:Class', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _kwargs_for_plugins(self) -> EnvConfig:
+        if self.kwargs and self.name in BUILTIN_ENVS:
+            raise ValueError(
+                f"env.kwargs is for plug-in envs; the built-in env {self.name!r} takes "
+                f"env.{self.name}.* settings"
+            )
+        return self
 
 
 class SamplingConfig(_Section):
@@ -426,6 +458,12 @@ class LogConfig(_Section):
     console: Literal["auto", "rich", "plain", "off"] = Field(
         "auto", description="Console output: rich live view, plain lines, or nothing."
     )
+    no_signal_steps: int = Field(
+        3,
+        ge=0,
+        description="Warn when this many steps in a row have no group with reward spread "
+        "(rollout/frac_reward_zero_std = 1.0: nothing to learn); 0 = never.",
+    )
 
     @field_validator("console", mode="before")
     @classmethod
@@ -567,8 +605,20 @@ class SandboxConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    """Message-mode rollouts: chat templates, tool calls, limits (docs/envs.md)."""
+    """Where a turn ends, and message-mode rollouts: chat templates, tool calls, limits
+    (docs/envs.md)."""
 
+    stop_tokens: list[str] = Field(
+        default_factory=list,
+        description="Tokens that end a turn, each one token of the tokenizer (e.g. "
+        "'<|im_end|>'); empty = derived: the chat template's end-of-turn token, EOS, and the "
+        "newline where it is one token.",
+    )
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="Texts that end a turn: the action is cut after the token whose decoded "
+        "text first contains one; empty = derived: '\\n' where the newline is a stop token.",
+    )
     tools: list[str] = Field(
         default_factory=list,
         description="Tools offered to the model in message mode: built-in names (calculator, "
@@ -656,6 +706,10 @@ class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig,
+        description="Where a turn ends; message mode: tools, step-wise samples, limits.",
+    )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm start.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="GRPO training.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
@@ -674,9 +728,6 @@ class Config(_Section):
     )
     faults: FaultsConfig = Field(
         default_factory=FaultsConfig, description="Fault tolerance policies."
-    )
-    rollout: RolloutConfig = Field(
-        default_factory=RolloutConfig, description="Message-mode rollouts: tools and limits."
     )
     perf: PerfConfig = Field(
         default_factory=PerfConfig,
@@ -833,16 +884,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = _parse_override(item)
         _set_dotted(tree, key, value)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, tree)) from None
+    _absolute_file_specs(cfg, [Path(path).resolve().parent] if path is not None else [])
+    return cfg
+
+
+def _absolute_file_specs(cfg: Config, bases: list[Path]) -> None:
+    """Make ``file.py:attr`` specs (env.name, reward.functions[*].fn) absolute: relative to the
+    config file's folder when the file is there, else to the current directory."""
+    from gyre.plugins import PluginError, absolute_spec
+
+    try:
+        if ":" in cfg.env.name:
+            cfg.env.name = absolute_spec(cfg.env.name, "env.name", bases)
+        for i, f in enumerate(cfg.reward.functions):
+            f.fn = absolute_spec(f.fn, f"reward.functions.{i}.fn", bases)
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def resolve_run_dir(cfg: Config) -> Path:
     """Fill in ``run.dir`` when empty (runs/<env>-<timestamp>) and return it as a Path."""
     if not cfg.run.dir:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        cfg.run.dir = str(Path("runs") / f"{cfg.env.name}-{stamp}")
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.env.name.rpartition(":")[2])
+        cfg.run.dir = str(Path("runs") / f"{name}-{stamp}")
     return Path(cfg.run.dir)
 
 

@@ -45,6 +45,7 @@ from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_de
 from gyre.rollout.core import rollout_metrics
 from gyre.telemetry import MetricsSink, timed
 from gyre.telemetry.factory import Telemetry, build_telemetry
+from gyre.telemetry.signal import NoSignalWatch
 from gyre.trainer.warmstart import run_sft
 from gyre.types import Trajectory
 
@@ -200,6 +201,7 @@ def _steps(
         state["evals"]["before"] = placement.evaluate()
         out.log(state["step"], dict(state["evals"]["before"]))
     step, last = state["step"], cfg.train.steps
+    no_signal = NoSignalWatch(cfg.log.no_signal_steps)
     while step < last:
         step += 1
         m: dict[str, float] = {}
@@ -218,6 +220,7 @@ def _steps(
             continue
         # 6. log
         m.update(rollout_metrics(trajs, cfg.train.group_size))
+        no_signal.update(m, out)  # every group one reward, N steps in a row: say so
         _count_faults(state["faults"], m, len(trajs))
         out.trajectories(step, trajs, trained_version=step - 1 if placement.stale_ok else None)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != last:

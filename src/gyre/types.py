@@ -23,6 +23,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     top_logprobs: int = 0  # also return the k most likely tokens' logprobs at every step
+    # Texts that end a turn; the rollout cuts the sampled ids after the token completing one
+    # (gyre.rollout.stops.cut_at_stop), so engines need not support them.
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass

@@ -184,8 +184,17 @@ def _replace_dir_atomically(stage: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_model_dir(final: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
-    """Save a Hugging Face folder (``sft/``, ``final/``) atomically, with a manifest."""
+ENV_RECORD = "gyre_env.json"  # in sft/ and final/: the env (and stop) config it was trained on
+
+
+def write_model_dir(
+    final: Path, model: torch.nn.Module, tokenizer: Any, trained_on: dict[str, Any] | None = None
+) -> Path:
+    """Save a Hugging Face folder (``sft/``, ``final/``) atomically, with a manifest.
+
+    ``trained_on`` (``{"env": ..., "rollout": ...}`` config sections) goes to ``gyre_env.json``,
+    so ``gyre eval`` / ``gyre train`` on this folder use the env it was trained on.
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     stage = final.parent / f".tmp_{final.name}"
@@ -194,6 +203,8 @@ def write_model_dir(final: Path, model: torch.nn.Module, tokenizer: Any) -> Path
     stage.mkdir()
     model.save_pretrained(stage)
     tokenizer.save_pretrained(stage)
+    if trained_on is not None:
+        (stage / ENV_RECORD).write_text(json.dumps(trained_on, indent=2, sort_keys=True))
     write_manifest(stage, {"kind": "model"})
     fsync_tree(stage)
     _replace_dir_atomically(stage, final)

@@ -26,6 +26,7 @@ floor."""
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes any int64 / uint64; keep int64
 MAX_NEW_TOKENS = 1 << 20  # an absolute cap when a model does not state its context length
 MAX_SEQUENCES = 4096  # prompts x n in one request
+MAX_TOOLS = 128  # tools (or one message's tool calls) in a chat request
 MAX_JSON_CONTAINERS = MAX_SEQUENCES + 64  # arrays + objects in a body: prompts or messages + a few
 
 
@@ -103,14 +104,25 @@ class CompletionBody(_Body):
     skip_special_tokens: bool = True
 
 
+class TextPart(_Body):
+    """One part of a list ``content``; only text parts (``{"type": "text", "text": ...}``)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None  # text parts are joined with "\n", as vLLM does
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = None
 
 
 class ChatBody(_Body):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_SEQUENCES)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     max_tokens: NewTokens | None = None
     max_completion_tokens: NewTokens | None = None
     temperature: Temperature | None = 1.0
@@ -237,14 +249,37 @@ def prompts_of(v: Vocab, prompt: Any) -> list[list[int]]:
     return out
 
 
-def chat_prompt(v: Vocab, messages: list[ChatMessage]) -> list[int]:
+def _message(m: ChatMessage) -> dict[str, Any]:
+    parts = m.content
+    content = parts if isinstance(parts, str) else "\n".join(p.text for p in parts or [])
+    msg: dict[str, Any] = {"role": m.role, "content": content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(m, key) is not None:
+            msg[key] = getattr(m, key)
+    return msg
+
+
+def chat_prompt(
+    v: Vocab, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The prompt ids of a chat: the model's chat template (with ``tools``) and the generation
+    prompt; a model without a template gets BOS + the contents back to back."""
     tok = v.tokenizer
-    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    msgs = [_message(m) for m in messages]
     if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+        try:
+            ids = tok.apply_chat_template(
+                msgs, tools=tools or None, add_generation_prompt=True, tokenize=True
+            )
+        except Exception as exc:  # jinja2's TemplateError, or a template's raise_exception
+            raise ApiError(400, f"the model's chat template refused the messages: {exc}",
+                           "messages") from exc  # fmt: skip
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding (not a dict)
             ids = ids["input_ids"]
-        return list(ids)
+        return [int(i) for i in ids]
+    if tools:
+        raise ApiError(400, "this model has no chat template, so it cannot be given tools",
+                       "tools")  # fmt: skip
     # No chat template (the tiny char model): BOS + the contents back to back, no role markers.
     text = "".join(m["content"] for m in msgs)
     ids = tok.encode(text, add_special_tokens=False)

@@ -308,7 +308,7 @@ def _prepare_chat(
     k = body.top_logprobs or 0
     if k and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    prompt = chat_prompt(host.vocab, body.messages)
+    prompt = chat_prompt(host.vocab, body.messages, body.tools)
     max_new = body.max_completion_tokens or body.max_tokens or 64
     params = sampling_params(host.vocab, body, max_new, k)
     return model, requests_of(host.vocab, [prompt], body.n, params.max_new_tokens), params

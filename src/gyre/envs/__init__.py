@@ -1,16 +1,52 @@
-"""Built-in environments and the registry that builds them from config."""
+"""Built-in environments, plug-ins, and the factory that builds them from config.
+
+``env.name`` is a built-in env (``maze``, ``arithmetic``, ``dataset``), a name given to
+:func:`register`, an import path ``module:Class`` or a file path ``envs.py:Class``
+(:mod:`gyre.plugins`); a plug-in is called with ``env.kwargs`` for every episode. See
+docs/envs.md.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from gyre.config import EnvConfig
+from gyre.config import BUILTIN_ENVS, EnvConfig
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.base import Demonstrator, Env
 from gyre.envs.dataset import DatasetEnv, load_jsonl_tasks
 from gyre.envs.maze import MazeEnv
+from gyre.plugins import load_object
 
-__all__ = ["ArithmeticEnv", "DatasetEnv", "Demonstrator", "Env", "MazeEnv", "env_factory"]
+__all__ = [
+    "ArithmeticEnv",
+    "DatasetEnv",
+    "Demonstrator",
+    "Env",
+    "MazeEnv",
+    "env_factory",
+    "register",
+    "registered",
+]
+
+_REGISTRY: dict[str, Callable[..., Env]] = {}
+
+
+def register(name: str, factory: Callable[..., Env]) -> None:
+    """Make ``env.name: <name>`` build envs with ``factory(**env.kwargs)`` in this process.
+
+    The registry lives in the process that called this: a Ray rollout worker does not see it,
+    so for ``runner=ray`` name the env by import path or file path instead.
+    """
+    if name in BUILTIN_ENVS or ":" in name or not name.strip():
+        raise ValueError(f"cannot register env {name!r}: built-in names and ':' are reserved")
+    if not callable(factory):
+        raise TypeError(f"env factory for {name!r} is a {type(factory).__name__}, not callable")
+    _REGISTRY[name] = factory
+
+
+def registered() -> list[str]:
+    return sorted(_REGISTRY)
 
 
 def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
@@ -28,4 +64,30 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
         tasks = load_jsonl_tasks(d.path, d.prompt_field, d.answer_field)  # read once, shared
         DatasetEnv(tasks, d.eval_rows, d.path)  # validate eval_rows now, not in the first rollout
         return lambda: DatasetEnv(tasks, d.eval_rows, d.path)
-    raise ValueError(f"unknown env.name {cfg.name!r}; valid: maze, arithmetic, dataset")
+    return _plugin_factory(cfg)
+
+
+def _plugin_factory(cfg: EnvConfig) -> Callable[[], Env]:
+    if cfg.name in _REGISTRY:
+        factory: Any = _REGISTRY[cfg.name]
+    elif ":" in cfg.name:
+        factory = load_object(cfg.name, "env.name")
+    else:
+        known = ", ".join([*BUILTIN_ENVS, *registered()])
+        raise ValueError(
+            f"unknown env.name {cfg.name!r}; valid: {known}, or an import path "
+            "'module:Class' / file path 'envs.py:Class'"
+        )
+    if not callable(factory):
+        raise ValueError(f"env.name={cfg.name!r} is a {type(factory).__name__}, not a class")
+    kwargs = dict(cfg.kwargs)
+    try:  # one env now: a bad kwarg or a wrong class fails before any rollout
+        env = factory(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"env.name={cfg.name!r} with env.kwargs={kwargs}: {exc}") from exc
+    if not isinstance(env, Env):
+        raise ValueError(
+            f"env.name={cfg.name!r} made a {type(env).__name__}, which has no reset(seed) / "
+            "step(action) (the Env protocol, gyre/envs/base.py)"
+        )
+    return lambda: factory(**kwargs)

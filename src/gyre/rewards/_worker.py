@@ -30,7 +30,6 @@ never pickle: the parent does not trust what comes back.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import math
@@ -74,11 +73,11 @@ def isolate_network_message(why: str) -> str:
 
 
 def resolve(path: str) -> Callable[..., Any]:
-    """``module:attr`` (``attr`` may be dotted) -> the object, or an exception."""
-    mod_name, _, attr = path.partition(":")
-    obj: Any = importlib.import_module(mod_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+    """``module:attr`` or ``file.py:attr`` (``attr`` may be dotted) -> the object, or an
+    exception."""
+    from gyre.plugins import load_object
+
+    obj = load_object(path, "reward.functions.fn")
     if not callable(obj):
         raise TypeError(f"{path} is a {type(obj).__name__}, not a callable")
     return obj

@@ -31,7 +31,6 @@ counted and logged with its traceback, and the run stops only when more than
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import logging
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import RewardConfig
+from gyre.plugins import PluginError, load_object
 from gyre.rewards.errors import RewardError, RewardSandboxError
 from gyre.types import Trajectory
 
@@ -54,18 +54,12 @@ RESERVED_COLUMNS = ("env_reward", "group_id", "info")
 
 
 def resolve_callable(path: str, field_name: str) -> Callable[..., Any]:
-    """Import ``module:attr`` (``attr`` may be dotted); errors name ``field_name``."""
-    mod_name, sep, attr = path.partition(":")
-    if not sep or not mod_name or not attr:
-        raise RewardError(f"{field_name}: expected 'module:function', got {path!r}")
+    """Import ``module:attr`` or load ``file.py:attr`` (``attr`` may be dotted; see
+    :mod:`gyre.plugins`); errors name ``field_name``."""
     try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise RewardError(f"{field_name}: cannot import module {mod_name!r} ({exc})") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardError(f"{field_name}: module {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        obj = load_object(path, field_name)
+    except PluginError as exc:
+        raise RewardError(str(exc)) from exc
     if not callable(obj):
         raise RewardError(f"{field_name}: {path!r} is a {type(obj).__name__}, not a callable")
     return obj

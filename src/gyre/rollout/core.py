@@ -30,8 +30,9 @@ from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
 from gyre.rollout.chat import ChatMode
 from gyre.rollout.dapo import sample_groups
-from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids
+from gyre.rollout.episodes import RolloutStats, run_episodes
 from gyre.rollout.evaluate import evaluate, train_seed
+from gyre.rollout.stops import Stops, derive_stops
 from gyre.rollout.tools import message_metrics, message_mode
 from gyre.telemetry import timed
 from gyre.types import SamplingParams, Trajectory
@@ -44,12 +45,23 @@ def rollout_seed(cfg: Config, step: int, round_: int = 0) -> int:
     return (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
 
 
+def run_stops(cfg: Config, tokenizer: Any, chat: ChatMode | None = None) -> Stops:
+    """The run's stop tokens and strings: ``rollout.*`` or derived from the tokenizer (in
+    message mode: the chat template's end-of-turn token and EOS, no newline stops)."""
+    if chat is not None and not cfg.rollout.stop_tokens:
+        ids = chat.template.stop_ids()
+        return Stops(ids, tuple(cfg.rollout.stop_strings), (chat.template.end_id,))
+    return derive_stops(tokenizer, cfg.rollout.stop_tokens, cfg.rollout.stop_strings)
+
+
 def sampling_params(
     cfg: Config, tokenizer: Any, seed: int | None, chat: ChatMode | None = None
 ) -> SamplingParams:
-    s = cfg.train.sampling
-    stops = stop_ids(tokenizer) if chat is None else chat.template.stop_ids()
-    return SamplingParams(s.temperature, s.top_p, s.max_new_tokens, stops, seed)
+    s, stops = cfg.train.sampling, run_stops(cfg, tokenizer, chat)
+    return SamplingParams(
+        s.temperature, s.top_p, s.max_new_tokens, stops.token_ids, seed,
+        stop_strings=stops.strings,
+    )  # fmt: skip
 
 
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
@@ -180,7 +192,8 @@ class Rollout:
         return evaluate(
             self.engine, self.make_env, self.tokenizer, cfg.eval.episodes, s.temperature,
             s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed, top_p=s.top_p,
-            continuous=cfg.perf.continuous, chat=self.chat,
+            continuous=cfg.perf.continuous, stops=run_stops(cfg, self.tokenizer, self.chat),
+            chat=self.chat,
         )  # fmt: skip
 
     # -- weights ------------------------------------------------------------------------------

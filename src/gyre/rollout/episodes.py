@@ -24,6 +24,7 @@ from gyre.checkpoint.store import fault_point
 from gyre.engines.base import Engine
 from gyre.envs.base import Demonstrator, Env
 from gyre.rollout.chat import ChatEpisode, ChatMode
+from gyre.rollout.stops import cut_at_stop, derive_stops
 from gyre.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
 _SESSION_COUNTER = iter(range(1 << 62))
@@ -64,13 +65,12 @@ def _memo(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return get
 
 
-def stop_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """Actions end at a newline (the built-in envs' turn terminator) or EOS."""
-    ids = {tokenizer.convert_tokens_to_ids("\n")}
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    ids.discard(tokenizer.unk_token_id)
-    return tuple(sorted(i for i in ids if i is not None))
+def stop_ids(
+    tokenizer: PreTrainedTokenizerBase, stop_tokens: Sequence[str] = ()
+) -> tuple[int, ...]:
+    """The ids that end an action: ``stop_tokens`` (``rollout.stop_tokens``) or, by default, the
+    end-of-turn token, EOS and the newline where it is one token (:mod:`gyre.rollout.stops`)."""
+    return derive_stops(tokenizer, stop_tokens).token_ids
 
 
 def turn_seed(base: int | None, episode: int, turn: int) -> int | None:
@@ -156,13 +156,20 @@ def run_episodes(
         An env that raises in ``step`` ends the episode as failed (see :func:`_env_failure`).
         """
         nonlocal gen_tokens
-        ids[i].extend(out.token_ids)
-        mask[i].extend([1] * len(out.token_ids))
-        lps[i].extend(out.logprobs)
-        gen_tokens += len(out.token_ids)
-        truncated[i] = out.finish_reason == "length"
+        toks, reason = out.token_ids, out.finish_reason
+        cut = cut_at_stop(toks, params.stop_strings, decode)
+        if cut is not None:  # a stop string: keep the sampled ids up to the token completing it
+            toks, reason = toks[:cut], "stop"
+        ids[i].extend(toks)
+        mask[i].extend([1] * len(toks))
+        lps[i].extend(out.logprobs[: len(toks)])
+        gen_tokens += len(toks)
+        truncated[i] = reason == "length"
         c = chats[i]
-        text = decode(tuple(out.token_ids)) if c is None else c.reply(out)  # message mode
+        if c is None:
+            text = decode(tuple(toks))
+        else:  # message mode
+            text = c.reply(Completion(list(toks), out.logprobs[: len(toks)], reason))
         turns[i] += 1
         try:
             fault_point("env.step")  # GYRE_FAULT=env.step:raise (tests): as if the env raised
@@ -272,17 +279,20 @@ def demonstrate(
     noise: float,
     rng: np.random.Generator,
     train_on_noise: bool = False,
+    terminator: Sequence[int] | None = None,
 ) -> Trajectory:
     """One noisy-expert episode, tokenised exactly as a rollout would be.
 
     With probability ``noise`` a turn's action is random instead of the expert's. The loss mask
     is 1 on expert actions; random ones are masked out unless ``train_on_noise`` (they still
-    shape the states the demonstration visits, so SFT sees recoveries from mistakes).
+    shape the states the demonstration visits, so SFT sees recoveries from mistakes). Every
+    action ends with ``terminator``: the ids the rollout stops at (default: the derived
+    :attr:`gyre.rollout.stops.Stops.terminator`, the newline where it is one token).
     """
     env = make_env()
     if not isinstance(env, Demonstrator):
         raise TypeError(f"{type(env).__name__} cannot demonstrate (no expert_action/random_action)")
-    newline = encode_obs(tokenizer, "\n")
+    newline = list(derive_stops(tokenizer).terminator if terminator is None else terminator)
     ids = prompt_ids(tokenizer, env.reset(seed))
     mask = [0] * len(ids)
     total, turns, info = 0.0, 0, {}

@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from gyre.engines.base import Engine
 from gyre.envs.base import Env
 from gyre.rollout.chat import ChatMode
-from gyre.rollout.episodes import run_episodes, stop_ids
+from gyre.rollout.episodes import run_episodes
+from gyre.rollout.stops import Stops, derive_stops
 from gyre.types import SamplingParams
 
 EVAL_SEED_BASE = 2**31
@@ -41,12 +42,14 @@ def evaluate(
     seed: int = 0,
     top_p: float = 1.0,
     continuous: bool = True,
+    stops: Stops | None = None,
     chat: ChatMode | None = None,
 ) -> dict[str, float]:
     """Greedy (and sampled) success and mean moves on the held-out seeds; ``continuous`` is
-    ``perf.continuous`` (see :func:`gyre.rollout.episodes.run_episodes`); ``chat``: message
-    mode (its template's stop tokens end a turn)."""
+    ``perf.continuous`` (see :func:`gyre.rollout.episodes.run_episodes`); ``stops`` the run's
+    (default: derived from the tokenizer); ``chat``: message mode."""
     seeds = eval_seeds(episodes)
+    stops = derive_stops(tokenizer) if stops is None else stops
     out: dict[str, float] = {}
     modes = [("greedy", 0.0, 1.0)] + ([("sampled", temperature, top_p)] if sampled else [])
     for name, temp, tp in modes:
@@ -54,8 +57,9 @@ def evaluate(
             temperature=temp,
             top_p=tp,
             max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_ids(tokenizer) if chat is None else chat.template.stop_ids(),
+            stop_token_ids=stops.token_ids,
             seed=seed,
+            stop_strings=stops.strings,
         )
         trajs = run_episodes(
             make_env, engine, tokenizer, seeds, 1, params, continuous=continuous, chat=chat

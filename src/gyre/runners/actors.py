@@ -23,6 +23,7 @@ from gyre.checkpoint.store import write_model_dir
 from gyre.config import Config
 from gyre.engines.factory import initial_sync
 from gyre.engines.sync import WeightSync
+from gyre.envs.record import trained_on
 from gyre.models.build import load_tokenizer
 from gyre.models.lora import load_policy
 from gyre.rollout.core import Rollout
@@ -235,4 +236,6 @@ class TrainerRank:
 
     def save_final(self, out_dir: str) -> None:
         assert self.trainer is not None
-        write_model_dir(Path(out_dir), self.trainer.model, self.trainer.tokenizer)
+        write_model_dir(
+            Path(out_dir), self.trainer.model, self.trainer.tokenizer, trained_on(self.cfg)
+        )

@@ -14,6 +14,7 @@ from typing import Any
 from gyre.checkpoint.resume import Checkpointer, ResumePlan
 from gyre.checkpoint.store import write_model_dir
 from gyre.config import Config
+from gyre.envs.record import trained_on
 from gyre.loop import train as loop_train
 from gyre.models.build import resolve_device
 from gyre.rollout.core import Rollout
@@ -97,7 +98,7 @@ class LocalPlacement:
 
     def write_final(self, out_dir: Path) -> None:
         assert self.trainer is not None
-        write_model_dir(out_dir, self.trainer.model, self.trainer.tokenizer)
+        write_model_dir(out_dir, self.trainer.model, self.trainer.tokenizer, trained_on(self.cfg))
 
     def summary(self) -> dict[str, Any]:
         return {}

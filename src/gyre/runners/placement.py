@@ -12,12 +12,12 @@ placement the config asked for explicitly that cannot fit is a one-line error na
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
 from gyre.config import Config
+from gyre.plugins import module_root
 
 RAY_MISSING = "the Ray runner needs Ray: pip install 'gyre[ray]'"
 
@@ -157,22 +157,19 @@ def actor_prefix(cfg: Config) -> str:
 
 
 def user_module_path(cfg: Config) -> str:
-    """``PYTHONPATH`` for the actors: the folders this driver imports the config's reward
-    functions from (``reward.functions[*].fn``, e.g. a module next to the config), before the
-    inherited path, so an actor resolves them as the driver does. (On a multi-node cluster the
-    folder must exist on every node, e.g. the shared file system; see docs/cluster.md.)"""
+    """``PYTHONPATH`` for the actors: the folders this driver imports the config's user code
+    from (``reward.functions[*].fn`` and a plug-in ``env.name`` given as ``module:attr``, e.g.
+    a module next to the config), before the inherited path, so an actor resolves them as the
+    driver does. File paths (``envs.py:Class``) are absolute after ``load_config`` and need no
+    entry. (On a multi-node cluster the folder must exist on every node, e.g. the shared file
+    system; see docs/cluster.md.)"""
+    specs = [f.fn for f in cfg.reward.functions]
+    if ":" in cfg.env.name:
+        specs.append(cfg.env.name)
     dirs: list[str] = []
-    for f in cfg.reward.functions:
-        mod = f.fn.partition(":")[0].strip()
-        try:
-            spec = importlib.util.find_spec(mod.split(".")[0])
-        except (ImportError, ValueError):
-            continue
-        if spec is None or not spec.origin:
-            continue
-        top = Path(spec.origin).parent
-        root = top.parent if spec.submodule_search_locations else top
-        if str(root) not in dirs:
-            dirs.append(str(root))
+    for spec in specs:
+        root = module_root(spec)
+        if root is not None and root not in dirs:
+            dirs.append(root)
     inherited = os.environ.get("PYTHONPATH", "")
     return os.pathsep.join([*dirs, *([inherited] if inherited else [])])

@@ -5,11 +5,15 @@ Curves say that the reward moved; samples say why. Each line is one episode:
 ``step``, ``index`` (position in the step's batch), ``group_id``, ``task_seed``,
 ``policy_version``, ``reward``, ``success``, ``turns``, ``response_tokens``, ``text`` (the whole
 episode decoded: observations and the policy's actions, as the model saw them) and ``actions``
-(the policy's text of each turn). A non-finite number (a NaN reward) is written as ``null``, so
-every line is strict JSON. Maze episodes also carry ``maze``: ``size``, ``walls`` (rows
-of ``#``/``.``), ``start``, ``goal``, ``budget``, ``shortest`` and ``positions`` (the agent's
-cell after each action), which is what ``gyre report`` draws step by step. The maze is rebuilt
-from ``task_seed`` and the actions replayed through the env, so the drawing is what the env did.
+(the policy's text of each turn), both without special tokens; ``text_special`` (the same
+episode decoded with its special tokens, e.g. a chat template's ``<|im_start|>`` /
+``<|im_end|>``), ``token_ids`` and ``loss_mask`` (1 on the policy's tokens), so what the
+template and the policy produced can be checked token by token. A non-finite number (a NaN
+reward) is written as ``null``, so every line is strict JSON. Maze episodes also carry
+``maze``: ``size``, ``walls`` (rows of ``#``/``.``), ``start``, ``goal``, ``budget``,
+``shortest`` and ``positions`` (the agent's cell after each action), which is what
+``gyre report`` draws step by step. The maze is rebuilt from ``task_seed`` and the actions
+replayed through the env, so the drawing is what the env did.
 
 The episodes are chosen by a generator seeded from (run seed, step): the same run writes the
 same samples, and choosing them never touches the training RNG streams.
@@ -126,6 +130,9 @@ class SampleWriter:
             "response_tokens": t.num_generated,
             "text": self.tokenizer.decode(t.token_ids, skip_special_tokens=True),
             "actions": actions,
+            "text_special": self.tokenizer.decode(t.token_ids, skip_special_tokens=False),
+            "token_ids": list(t.token_ids),
+            "loss_mask": list(t.loss_mask),
         }
         env = self.make_env() if self.make_env is not None else None
         # One mask run per turn holds for the built-in envs; if a turn's tokens were merged or

@@ -24,9 +24,10 @@ from gyre.checkpoint.resume import (
 )
 from gyre.checkpoint.store import load_into, write_model_dir
 from gyre.config import Config
-from gyre.envs import env_factory
+from gyre.envs import Demonstrator, env_factory
+from gyre.envs.record import trained_on
 from gyre.models.build import load_pretrained
-from gyre.rollout.core import STREAM_SFT
+from gyre.rollout.core import STREAM_SFT, run_stops
 from gyre.rollout.episodes import demonstrate
 from gyre.rollout.evaluate import train_seed
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
@@ -54,6 +55,12 @@ def run_sft(
     resuming = resume is not None and resume.phase == "sft" and resume.ckpt is not None
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
     make_env = env_factory(cfg.env)
+    if not isinstance(make_env(), Demonstrator):
+        raise ValueError(
+            f"env.name={cfg.env.name!r} has no demonstrator (expert_action / random_action), so "
+            f"SFT cannot warm-start on it: set sft.steps=0 (it is {cfg.sft.steps})"
+        )
+    terminator = run_stops(cfg, tokenizer).terminator  # answers end where rollouts stop
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
     demo_key = {
         "seed": cfg.run.seed,
@@ -61,13 +68,19 @@ def run_sft(
         "n": cfg.sft.demos,
         "noise": cfg.sft.noise,
         "vocab": tokenizer.get_vocab(),
+        "terminator": list(terminator),
     }
     demos = cached(
         run_dir / "sft_demos.pt",
         demo_key,
         lambda: [
             demonstrate(
-                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng
+                make_env,
+                tokenizer,
+                train_seed(cfg.run.seed, STREAM_SFT, k),
+                cfg.sft.noise,
+                rng,
+                terminator=terminator,
             )
             for k in range(cfg.sft.demos)
         ],
@@ -114,6 +127,6 @@ def run_sft(
             preempt_if_requested(guard, "sft", step, saved, lambda s=step: save(s))
     finally:
         sink.close()
-    write_model_dir(out_dir, model, tokenizer)
+    write_model_dir(out_dir, model, tokenizer, trained_on(cfg))
     ckpt.drop_sft()
     return out_dir
