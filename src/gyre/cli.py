@@ -9,8 +9,10 @@
     gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
     gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
 
-Exit codes: 0 done, 1 error, 2 config error, 3 aborted by a fault policy (faults.*), 75 stopped
-on SIGTERM/SIGINT after a checkpoint (resume with run.resume=auto), 130 second signal.
+Exit codes: 0 done, 1 error, 2 config or input error (a key, a file, a dataset row: named on
+one line), 3 aborted by a fault policy (faults.*, or nan/inf weights after an update), 75 stopped
+on SIGTERM/SIGINT after a checkpoint (resume with run.resume=auto), 130 second signal. Errors
+are one line on stderr; ``--debug`` also prints the traceback.
 
 With no config file the built-in maze default is used. Keys are dotted config paths, e.g.
 ``run.dir=runs/x train.steps=20 model.path=/models/my-llm``; ``--help-config`` lists them all.
@@ -21,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from gyre.config import Config, ConfigError, describe_fields, load_config
+from gyre.errors import InputError, disk_full_message, is_disk_full
 
 _KEYS_HELP = """common keys (all of them: gyre --help-config):
   run.dir=PATH          run directory (default runs/<env>-<timestamp>)
@@ -50,6 +54,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "  gyre eval model.path=runs/a/final eval.episodes=500",
     )
     parser.add_argument("--help-config", action="store_true", help="list every config key")
+    parser.add_argument(
+        "--debug", action="store_true", help="on an error, also print the traceback"
+    )
     sub = parser.add_subparsers(
         dest="command", metavar="{train,sft,eval,verify-resume,report,serve,export,submit}"
     )
@@ -143,7 +150,50 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run one command; every error becomes one line on stderr and an exit code (module doc).
+
+    ``--debug`` (anywhere on the line) also prints the traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _run(argv)
+    except Exception as exc:  # the one place errors become exit codes
+        if debug:
+            traceback.print_exc()
+        line, code = _error_line(exc)
+        print(line, file=sys.stderr)
+        return code
+
+
+def _error_line(exc: Exception) -> tuple[str, int]:
+    """(the stderr line, the exit code) of an error that ended a command."""
+    from gyre.checkpoint.resume import EXIT_FAULTS, EXIT_PREEMPTED, FaultAbort, Preempted
+    from gyre.checkpoint.store import CheckpointError
+
+    if isinstance(exc, ConfigError):
+        return f"gyre: config error: {exc}", 2
+    if isinstance(exc, InputError):
+        return f"gyre: error: {exc}", 2
+    if isinstance(exc, Preempted):
+        return f"gyre: {exc}", EXIT_PREEMPTED
+    if isinstance(exc, FaultAbort):
+        return f"gyre: aborted: {exc}", EXIT_FAULTS
+    if isinstance(exc, OSError) and is_disk_full(exc):
+        return f"gyre: error: {disk_full_message(exc.filename or '(unnamed file)')}", 1
+    if isinstance(exc, FileNotFoundError | FileExistsError | ValueError | CheckpointError):
+        return f"gyre: error: {exc}", 1
+    if isinstance(exc, ImportError):
+        return f"gyre: error: {exc}", 1
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"gyre: error: {exc.strerror or exc}{where}", 1
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"gyre: internal error: {type(exc).__name__}: {first} (--debug shows the traceback)", 1
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["report"]:  # takes a run dir, not config keys: its own parser
         from gyre.telemetry.report import main as report_main
 
@@ -153,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         from gyre.engines import server
 
         return {"serve": server.main, "export": export.main}[argv[0]](argv[1:])
-    try:
-        ns, cfg = _parse(argv)
-    except ConfigError as exc:
-        print(f"gyre: config error: {exc}", file=sys.stderr)
-        return 2
+    ns, cfg = _parse(argv)
     from rich.console import Console
 
     console = Console()
@@ -183,50 +229,44 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(report.summary())
         return 0 if report.ok else 1
-    from gyre.checkpoint.resume import EXIT_FAULTS, EXIT_PREEMPTED, FaultAbort, Preempted
-    from gyre.checkpoint.store import CheckpointError
+    if ns.command == "submit":
+        return _submit(ns)
+    if ns.command == "train":
+        from gyre.runners import train
 
-    try:
-        if ns.command == "submit":
-            return _submit(ns)
-        if ns.command == "train":
-            from gyre.runners import train
+        s = train(cfg)
+        console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
+        console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
+    elif ns.command == "sft":
+        run_dir, device = loop.setup(cfg)
+        from gyre.trainer.warmstart import run_sft
 
-            s = train(cfg)
-            console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
-            console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
-        elif ns.command == "sft":
-            run_dir, device = loop.setup(cfg)
-            from gyre.trainer.warmstart import run_sft
+        out = run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
+        console.print(f"SFT checkpoint written to {out}")
+    elif ns.command == "eval":
+        return _eval(cfg, console)
+    return 0
 
-            out = run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
-            console.print(f"SFT checkpoint written to {out}")
-        elif ns.command == "eval":
-            if not cfg.model.path:
-                print("gyre: eval needs model.path=<a Hugging Face folder>", file=sys.stderr)
-                return 2
-            run_dir, device = loop.setup(cfg)
-            from gyre.engines import TorchEngine
-            from gyre.engines.factory import torch_engine_options
-            from gyre.models.build import load_pretrained
-            from gyre.rollout import Rollout
 
-            model, tok = load_pretrained(Path(cfg.model.path), device)
-            engine = TorchEngine(
-                model, tok.pad_token_id, cfg.run.seed, **torch_engine_options(cfg.perf)
-            )
-            res = Rollout(cfg, engine, tok).evaluate()
-            (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
-            console.print(_table([(cfg.model.path, res)]))
-    except Preempted as exc:
-        print(f"gyre: {exc}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except FaultAbort as exc:
-        print(f"gyre: aborted: {exc}", file=sys.stderr)
-        return EXIT_FAULTS
-    except (FileNotFoundError, FileExistsError, ValueError, CheckpointError, ImportError) as exc:
-        print(f"gyre: error: {exc}", file=sys.stderr)
-        return 1
+def _eval(cfg: Config, console: Any) -> int:
+    if not cfg.model.path:
+        print("gyre: eval needs model.path=<a Hugging Face folder>", file=sys.stderr)
+        return 2
+    from gyre import loop
+    from gyre.checkpoint.store import check_manifest
+
+    check_manifest(Path(cfg.model.path))  # a gyre-written folder must match its manifest
+    run_dir, device = loop.setup(cfg)
+    from gyre.engines import TorchEngine
+    from gyre.engines.factory import torch_engine_options
+    from gyre.models.build import load_pretrained
+    from gyre.rollout import Rollout
+
+    model, tok = load_pretrained(Path(cfg.model.path), device)
+    engine = TorchEngine(model, tok.pad_token_id, cfg.run.seed, **torch_engine_options(cfg.perf))
+    res = Rollout(cfg, engine, tok).evaluate()
+    (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
+    console.print(_table([(cfg.model.path, res)]))
     return 0
 
 

@@ -7,6 +7,7 @@ and bad values stop the run with an error that names the dotted key and the offe
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +17,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -27,23 +30,63 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float field of every section must be finite (nan/inf would
+    # reach the optimizer or the sampler and poison the weights); the error names the key.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# -- bounds (docs/operations.md, "NaN policy") ---------------------------------------------------
+# AdamW moves each weight by about lr per step: above 1 every step overshoots any weight scale.
+MAX_LR = 1.0
+# Below this a temperature divides logits into overflow / a one-hot in all but name; 0 = greedy.
+MIN_TEMPERATURE = 1e-2
+# run.threads above cores x this oversubscribes to the point of failure (100000 segfaults).
+THREADS_PER_CORE = 4
+# numpy's legacy seeding (and SeedSequence users such as the data order) take [0, 2**32).
+SEED_LIMIT = 2**32
+_DEVICE_RE = re.compile(r"^(cpu|auto|mps|cuda(:\d+)?)$")
+# What a secret is written as in config.yaml, checkpoints and logs.
+REDACTED = "***"
 
 
 class RunConfig(_Section):
     dir: str = Field("", description="Run directory; empty means runs/<env>-<timestamp>.")
-    seed: int = Field(0, description="Master seed for model init, data order and sampling.")
+    seed: int = Field(
+        0,
+        ge=0,
+        lt=SEED_LIMIT,
+        description="Master seed for model init, data order and sampling, in [0, 2**32).",
+    )
     resume: str = Field(
         "never",
         description="'auto' resumes from the newest checkpoint in run.dir, 'never' starts fresh, "
         "or a checkpoint path.",
     )
-    device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1' or 'auto'.")
-    threads: int = Field(0, ge=0, description="Torch intra-op threads; 0 uses every core.")
+    device: str = Field(
+        "cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1', 'mps' or 'auto'."
+    )
+    threads: int = Field(
+        0, ge=0, description="Torch intra-op threads; 0 uses every core; at most 4 x the cores."
+    )
     overwrite: bool = Field(
         False,
         description="With run.resume=never, delete an earlier run in run.dir instead of refusing.",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not _DEVICE_RE.match(v):
+            raise ValueError("use 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'")
+        return v
+
+    @field_validator("threads")
+    @classmethod
+    def _check_threads(cls, v: int) -> int:
+        most = THREADS_PER_CORE * (os.cpu_count() or 1)
+        if v > most:
+            raise ValueError(f"at most {THREADS_PER_CORE} x the {os.cpu_count()} cores = {most}")
+        return v
 
 
 class LoraConfig(_Section):
@@ -69,6 +112,17 @@ class ModelConfig(_Section):
         None, description="LoRA adapter training (peft); null trains every weight."
     )
 
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        # The tiny default's attention splits hidden_size into num_heads heads of an even width
+        # (rotary embeddings rotate pairs); HF would refuse it later with a traceback.
+        if not self.path and self.hidden_size % (2 * self.num_heads):
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} must be a multiple of 2 x "
+                f"model.num_heads={self.num_heads} (each head's width must be even)"
+            )
+        return self
+
 
 class MazeConfig(_Section):
     size: int = Field(5, ge=5, description="Maze side length in cells (at least 5).")
@@ -92,6 +146,16 @@ class MazeConfig(_Section):
         description="View radius: compass cells within this many moves; exits looks 1 or 2"
         " moves ahead; window half-width.",
     )
+
+    @model_validator(mode="after")
+    def _check_reachable(self) -> MazeConfig:
+        far = 2 * (self.size - 1)
+        if self.min_distance > far:
+            raise ValueError(
+                f"env.maze.min_distance={self.min_distance} cannot be drawn in a maze of "
+                f"env.maze.size={self.size}: corner to corner is {far} moves"
+            )
+        return self
 
 
 class ArithmeticConfig(_Section):
@@ -144,6 +208,13 @@ class EnvConfig(_Section):
         mod, sep, attr = v.rpartition(":")
         if sep and (not mod.strip() or not attr.strip()):
             raise ValueError(f"expected 'module:Class' or 'file.py:Class', got {v!r}")
+        from gyre.plugins import ENV_REGISTRY
+
+        if not sep and v not in BUILTIN_ENVS and v not in ENV_REGISTRY:
+            raise ValueError(
+                f"unknown env; valid: {', '.join([*BUILTIN_ENVS, *sorted(ENV_REGISTRY)])}, a "
+                "name given to gyre.envs.register, 'module:Class' or 'file.py:Class'"
+            )
         return v
 
     @model_validator(mode="after")
@@ -157,15 +228,24 @@ class EnvConfig(_Section):
 
 
 class SamplingConfig(_Section):
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    temperature: float = Field(
+        1.0, ge=0.0, description="Sampling temperature; 0 is greedy, else at least 0.01."
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(4, gt=0, description="Most tokens the policy may write per turn.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"use 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return v
 
 
 class SFTConfig(_Section):
     steps: int = Field(600, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
-    lr: float = Field(3e-3, gt=0, description="SFT AdamW learning rate.")
+    lr: float = Field(3e-3, gt=0, le=MAX_LR, description="SFT AdamW learning rate, in (0, 1].")
     warmup_steps: int = Field(10, ge=0, description="Linear LR warmup steps.")
     demos: int = Field(4000, gt=0, description="Number of demonstration episodes generated.")
     noise: float = Field(
@@ -217,7 +297,9 @@ class AlgoConfig(_Section):
     value_model: Literal["critic", "head"] = Field(
         "critic", description="gae: a separate critic, or a value head on the policy."
     )
-    critic_lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the value model.")
+    critic_lr: float = Field(
+        1e-3, gt=0, le=MAX_LR, description="AdamW learning rate of the value model, in (0, 1]."
+    )
     vf_coef: float = Field(0.5, ge=0, description="Value-loss coefficient.")
     value_clip: float = Field(0.2, gt=0, description="Clip range of the clipped value loss.")
     rollout_is: Literal["none", "truncate", "mask"] = Field(
@@ -261,7 +343,7 @@ class TrainConfig(_Section):
     group_size: int = Field(
         8, ge=2, description="Samples per task (G) for group-relative advantages."
     )
-    lr: float = Field(3e-4, gt=0, description="GRPO AdamW learning rate.")
+    lr: float = Field(3e-4, gt=0, le=MAX_LR, description="GRPO AdamW learning rate, in (0, 1].")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient; 0 loads no ref.")
@@ -305,7 +387,14 @@ class EngineConfig(_Section):
         description="http: openai = /v1/completions + /v1/load_lora_adapter (vLLM, gyre serve); "
         "sglang = SGLang's native /generate + /load_lora_adapter.",
     )
-    api_key: str = Field("", description="http: bearer token sent to every server.")
+    api_key: SecretStr = Field(
+        SecretStr(""),
+        description="http: bearer token for a one-off (visible in the command line); prefer the "
+        "GYRE_API_KEY environment variable or engine.api_key_file. Written as '***'.",
+    )
+    api_key_file: str = Field(
+        "", description="http: file whose first line is the bearer token (used if no key is set)."
+    )
     model: str = Field("", description="http: served base model name; empty asks /v1/models.")
     timeout_s: float = Field(120.0, gt=0, description="http: per-request timeout in seconds.")
     max_retries: int = Field(
@@ -328,6 +417,10 @@ class EngineConfig(_Section):
         "shared: the engine samples from the trainer's own parameters (zero-copy; needs "
         "sync_every=1 and no LoRA). http engines always use disk.",
     )
+
+    @field_serializer("api_key", when_used="json")
+    def _redact(self, v: SecretStr) -> str:
+        return REDACTED if v.get_secret_value() else ""
 
     @model_validator(mode="after")
     def _need_urls(self) -> EngineConfig:
@@ -823,6 +916,39 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 _YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, except that a mapping with the same key twice is an error (plain
+    PyYAML keeps the last one and silently drops the first block)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: let SafeLoader report it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"duplicate key {key!r} (first on line {first})", key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+
+
+def _yaml_error_line(exc: yaml.YAMLError) -> str:
+    """A YAML error as one line: what went wrong, and where (line N, column M)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{what}"
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -835,8 +961,11 @@ def _parse_override(item: str) -> tuple[str, Any]:
         # (pydantic still accepts these words for bool fields).
         return key, raw.strip()
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+        value = _yaml_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        problem = str(getattr(exc, "problem", "") or "")
+        if problem.startswith("duplicate key"):  # not a plain string either: say so
+            raise ConfigError(f"override '{key}': {problem}") from None
         value = raw
     if value is None:
         value = raw
@@ -857,6 +986,12 @@ def _describe(errors: ValidationError, tree: dict[str, Any]) -> str:
                 node = node[int(p)]  # list items, e.g. reward.functions.0.fn
             else:
                 node = node.get(p, "<missing>") if isinstance(node, dict) else "<missing>"
+        if loc[-1] == "api_key":
+            node = REDACTED  # never echo a secret
+        if err["type"] == "value_error" and isinstance(node, dict):
+            # a section's cross-field check: its message names the keys and values
+            lines.append(err["msg"].removeprefix("Value error, "))
+            continue
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown config key '{key}' (value {node!r})")
         else:
@@ -872,9 +1007,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = exc.object[: exc.start].count(b"\n") + 1
+            byte = exc.object[exc.start]
+            raise ConfigError(
+                f"config file '{p}' line {line}: not UTF-8 text (byte 0x{byte:02x})"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"config file '{p}' cannot be read: {exc.strerror}") from None
+        try:
+            loaded = _yaml_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {exc}") from exc
+            raise ConfigError(
+                f"config file '{p}' is not valid YAML: {_yaml_error_line(exc)}"
+            ) from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -915,6 +1062,7 @@ def resolve_run_dir(cfg: Config) -> Path:
 
 
 def dump_config(cfg: Config) -> str:
+    """The config as YAML, secrets written as '***' (see :func:`resolve_api_key`)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 

@@ -41,6 +41,7 @@ from gyre.checkpoint.resume import (
 )
 from gyre.checkpoint.store import seed_everything, write_file_atomically
 from gyre.config import Config, dump_config, resolve_run_dir
+from gyre.errors import ensure_writable_dir
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_device
 from gyre.rollout.core import rollout_metrics
 from gyre.telemetry import MetricsSink, timed
@@ -96,7 +97,7 @@ def setup(cfg: Config, fresh_check: bool = False) -> tuple[Path, torch.device]:
     run_dir = resolve_run_dir(cfg)
     if fresh_check:
         Checkpointer(cfg, run_dir).check_fresh()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(run_dir, "run.dir")  # a file or a read-only dir: one line
     torch.set_num_threads(cfg.run.threads or os.cpu_count() or 1)
     seed_everything(cfg.run.seed)
     from transformers.utils import logging as hf_logging

@@ -26,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+ENV_REGISTRY: dict[str, Any] = {}  # gyre.envs.register fills it; here so config can check names
+
 
 class PluginError(ValueError):
     """A config's import path or file path that cannot be loaded; the message names the field."""

@@ -125,8 +125,8 @@ def test_import_path_from_cwd_registry_and_kwargs(tmp_path, monkeypatch):
 
 def test_bad_plugin_configs_name_the_field(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"unknown env.name 'nope'; valid: maze"):
-        env_factory(EnvConfig(name="nope"))
+    with pytest.raises(ConfigError, match=r"'env.name': 'nope' \(Value error, unknown env; valid"):
+        load_config(overrides=["env.name=nope"])
     with pytest.raises(ValueError, match=r"env.name: cannot import module 'no_such_mod_xyz'"):
         env_factory(EnvConfig(name="no_such_mod_xyz:Env"))
     with pytest.raises(ConfigError, match=r"env.name: file 'missing.py' not found"):

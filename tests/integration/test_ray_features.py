@@ -189,3 +189,23 @@ def test_default_placement_fits_two_cpus_and_fault_limits_stop_ray(
             assert "placement: colocated" in saved  # fitted, and recorded
         rows = [r for r in _metrics(d) if "train/loss" in r]
         assert [r["step"] for r in rows] == [1] and rows[0]["rollout/failed_episodes"] == 16
+
+
+def test_nonfinite_parameters_stop_a_ray_run_like_a_local_one(ray_cluster, warm, tmp_path):
+    """A learning rate that overflows the weights (train.lr=inf, which the config refuses, so it
+    is set behind its back) makes the first optimizer step write nan/inf into them: the parameter
+    check after the update (inside the Ray trainer actor) stops the Ray run at the same step as
+    the local one, with nothing logged or saved for that step."""
+    bad = ["faults.max_nonfinite_streak=2", "eval.episodes=0"]
+    for ray_on in (True, False):
+        d = tmp_path / ("ray" if ray_on else "local")
+        cfg = load_config(None, [*TINY, f"run.dir={d}", f"model.path={warm}", "sft.steps=0",
+                                 "train.steps=6", f"train.tasks_per_step={TASKS}",
+                                 f"train.group_size={GROUP}", "checkpoint.every=0", *bad]
+                          + (["runner=ray"] if ray_on else []))  # fmt: skip
+        cfg.train = cfg.train.model_copy(update={"lr": float("inf")})
+        with pytest.raises(FaultAbort, match="GRPO step 1: after the optimizer step parameter"):
+            runners.train(cfg)
+        steps = [r["step"] for r in _metrics(d) if "train/loss" in r]
+        assert steps == []
+        assert not (d / "final").exists()

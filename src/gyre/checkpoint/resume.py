@@ -39,6 +39,7 @@ from gyre.checkpoint.store import (
     STATE_FILE,
     CheckpointError,
     CheckpointStore,
+    NonFiniteError,
     Snapshot,
     check_config,
     check_model,
@@ -422,7 +423,8 @@ class Checkpointer:
             path = save(self.store, f"{prefix}{step:06d}", model, tokenizer, snap)
         except CheckpointError as exc:
             self.failed_writes += 1
-            if self.cfg.checkpoint.on_error == "continue":
+            # (a nan/inf model is never "go on": the next write would be refused again)
+            if self.cfg.checkpoint.on_error == "continue" and not isinstance(exc, NonFiniteError):
                 log.warning("%s (checkpoint.on_error=continue: training goes on)", exc)
                 return None
             raise
@@ -503,6 +505,22 @@ __all__ = [
     "durable_size",
     "rewind_metrics",
 ]
+
+
+def check_parameters_finite(model: torch.nn.Module, phase: str, step: int) -> None:
+    """After an optimizer step: every trainable parameter must be finite, else the run stops
+    (exit 3) before anything is synced or checkpointed. A finite loss can still take a step
+    that overflows the weights (a huge learning rate); the skip-on-NaN guard cannot see that."""
+    from gyre.checkpoint.store import first_nonfinite
+
+    found = first_nonfinite((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    if found is not None:
+        name, count = found
+        raise FaultAbort(
+            f"{phase} step {step}: after the optimizer step parameter '{name}' has {count} "
+            "non-finite (nan/inf) values; stopping without a checkpoint (lower the learning "
+            "rate, or resume from the last checkpoint: docs/operations.md, NaN policy)"
+        )
 
 
 def check_nonfinite(cfg: Any, streak: int, phase: str, step: int) -> None:

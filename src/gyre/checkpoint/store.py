@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 import gyre
+from gyre.errors import InputError, disk_full_message, is_disk_full
 
 log = logging.getLogger("gyre.checkpoint.store")
 
@@ -63,6 +64,41 @@ class CheckpointError(RuntimeError):
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint belongs to a different config or model; the message lists the fields."""
+
+
+class NonFiniteError(CheckpointError):
+    """A model holds nan/inf values, so it is not written (it would pass its own checksum)."""
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
+    """(name, count of nan/inf entries) of the first floating tensor that is not finite."""
+    for name, t in named:
+        if hasattr(t, "to_local"):  # an FSDP2 DTensor: this rank's shard
+            t = t.to_local()
+        if not t.is_floating_point():
+            continue
+        bad = ~torch.isfinite(t.detach())
+        if bool(bad.any()):
+            return name, int(bad.sum())
+    return None
+
+
+def check_finite(model: torch.nn.Module, target: Path | str) -> None:
+    """Refuse to write ``target`` from a model with a nan/inf tensor; the error names it."""
+    found = first_nonfinite(model.state_dict().items())
+    if found is not None:
+        name, count = found
+        raise NonFiniteError(
+            f"refusing to write {target}: tensor '{name}' has {count} non-finite (nan/inf) values"
+        )
+
+
+def _write_failure(exc: BaseException, target: Path | str, stage: Path) -> str:
+    """One line for a failed write; a full disk (whatever library wrote) says so."""
+    if is_disk_full(exc, stage):
+        return disk_full_message(target)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"writing {target} failed: {first}"
 
 
 # -- fault injection ---------------------------------------------------------------------------
@@ -171,6 +207,25 @@ def verify_dir(root: Path) -> list[str]:
     return problems
 
 
+def check_manifest(root: Path) -> None:
+    """A folder someone asks to load (``gyre eval``, ``gyre export``): when it has a
+    ``manifest.json`` (or is a checkpoint's ``model/``), every file listed must match, else an
+    :class:`InputError` in one line. A folder without one (a model from elsewhere) loads as is."""
+    root = Path(root)
+    if not (root / MANIFEST_FILE).is_file():
+        parent = root.parent  # a checkpoint's model/: the checkpoint's manifest covers it
+        if root.name == "model" and (parent / MANIFEST_FILE).is_file():
+            root = parent
+        else:
+            return
+    problems = verify_dir(root)
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise InputError(
+            f"{root / MANIFEST_FILE} does not match the folder: {'; '.join(problems[:3])}{more}"
+        )
+
+
 def _replace_dir_atomically(stage: Path, final: Path) -> None:
     """Rename ``stage`` to ``final`` (replacing it), fsyncing the parent directory."""
     old = final.parent / f".old_{final.name}"
@@ -196,18 +251,25 @@ def write_model_dir(
     so ``gyre eval`` / ``gyre train`` on this folder use the env it was trained on.
     """
     final = Path(final)
+    check_finite(model, final)
     final.parent.mkdir(parents=True, exist_ok=True)
     stage = final.parent / f".tmp_{final.name}"
     if stage.exists():
         shutil.rmtree(stage)
-    stage.mkdir()
-    model.save_pretrained(stage)
-    tokenizer.save_pretrained(stage)
-    if trained_on is not None:
-        (stage / ENV_RECORD).write_text(json.dumps(trained_on, indent=2, sort_keys=True))
-    write_manifest(stage, {"kind": "model"})
-    fsync_tree(stage)
-    _replace_dir_atomically(stage, final)
+    try:
+        stage.mkdir()
+        model.save_pretrained(stage)
+        tokenizer.save_pretrained(stage)
+        if trained_on is not None:
+            (stage / ENV_RECORD).write_text(json.dumps(trained_on, indent=2, sort_keys=True))
+        fault_point("model.write")
+        write_manifest(stage, {"kind": "model"})
+        fsync_tree(stage)
+        _replace_dir_atomically(stage, final)
+    except Exception as exc:
+        message = _write_failure(exc, final, stage)
+        shutil.rmtree(stage, ignore_errors=True)
+        raise CheckpointError(message) from exc
     return final
 
 
@@ -299,12 +361,10 @@ class CheckpointStore:
             else:
                 self._upload(stage, name)
         except BaseException as exc:
+            message = _write_failure(exc, f"checkpoint {self.url_of(name)}", stage)
             cleanup()
             if isinstance(exc, Exception):
-                raise CheckpointError(
-                    f"writing checkpoint {self.url_of(name)} failed: {exc}; the earlier "
-                    "checkpoints are intact"
-                ) from exc
+                raise CheckpointError(f"{message}; the earlier checkpoints are intact") from exc
             raise
         if not self.local:
             cleanup()
@@ -454,7 +514,11 @@ def save(
     tokenizer: Any,
     snap: Snapshot,
 ) -> str:
-    """Write one checkpoint atomically (see the module docstring); return its path."""
+    """Write one checkpoint atomically (see the module docstring); return its path.
+
+    A model with a nan/inf tensor is refused (:class:`NonFiniteError`) before anything is
+    written: a poisoned checkpoint would verify and be resumed from."""
+    check_finite(model, store.url_of(name))
 
     def fill(d: Path) -> None:
         model.save_pretrained(d / "model")
@@ -502,6 +566,8 @@ RESUME_MAY_CHANGE = (
     "run.threads",
     "run.device",
     "model.path",
+    "engine.api_key",  # a secret (written as '***'): rotating it changes nothing
+    "engine.api_key_file",
     "train.steps",
     "eval.",
     "checkpoint.",

@@ -15,8 +15,14 @@ from pathlib import Path
 
 import torch
 
-from gyre.checkpoint.store import list_checkpoints
+from gyre.checkpoint.store import (
+    CheckpointError,
+    check_finite,
+    check_manifest,
+    list_checkpoints,
+)
 from gyre.config import Config, ConfigError, load_config
+from gyre.errors import InputError
 from gyre.models.build import load_pretrained
 from gyre.models.lora import is_adapter_dir, lora_base_path, save_full_atomic
 
@@ -37,6 +43,7 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
 
     run_dir, out = Path(run_dir), Path(out)
     src = policy_dir(run_dir)
+    check_manifest(src)  # final/ and checkpoints carry one: a torn or edited copy is refused
     cpu = torch.device("cpu")
     if is_adapter_dir(src) and not (src / "config.json").is_file():
         cfg_file = run_dir / "config.yaml"
@@ -45,6 +52,7 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         model = load_adapter_into(base, src, "default")
     else:
         model, tokenizer = load_pretrained(src, cpu)
+    check_finite(model, out)  # a nan/inf policy is refused, naming the tensor
     out.parent.mkdir(parents=True, exist_ok=True)
     save_full_atomic(model, tokenizer, out)
     return out
@@ -60,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         out = export_run(ns.run_dir, ns.out)
-    except (FileNotFoundError, ValueError, ConfigError) as exc:
+    except (InputError, ConfigError) as exc:  # a bad folder / manifest / config: exit 2
+        print(f"gyre export: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError, CheckpointError) as exc:
         print(f"gyre export: error: {exc}", file=sys.stderr)
         return 1
     print(f"exported {ns.run_dir} to {out}")

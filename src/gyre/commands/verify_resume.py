@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from gyre.checkpoint.resume import EXIT_OK, EXIT_PREEMPTED
+from gyre.credentials import secrets_to_env
 
 METRIC_FILES = ("sft_metrics.jsonl", "metrics.jsonl")
 MODEL_DIRS = ("sft", "final")
@@ -154,6 +155,8 @@ class _ForkProc:
 def _launch(
     args: list[str], run_dir: Path, log: Path, extra_env: dict[str, str], fork: bool = False
 ) -> Any:
+    args, secret_env = secrets_to_env(args)  # an API key goes by environment, not argv
+    extra_env = {**extra_env, **secret_env}
     argv = ["train", *args, f"run.dir={run_dir}", "log.console=off"]
     if fork:
         return _ForkProc(argv, log, extra_env)
@@ -268,15 +271,45 @@ def verify_resume(
     step_s = (time.perf_counter() - (first_progress or t0)) / lines
 
     # 2. the killed run
-    # Random kills land after a seeded number of metrics lines (spread over SFT and GRPO, never
-    # in the last few lines so the run cannot finish first) plus a seeded part of a step.
+    t0 = time.perf_counter()
+    log = work / "killed.log"
+    _kill_rounds(args, work, killed, log, _kill_plan(rng, lines, kills), step_s, timeout, fork,
+                 report, rng, say)  # fmt: skip
+    say("[verify-resume] resuming to the end")
+    proc = _launch([*args, "run.resume=auto"], killed, log, {}, fork)
+    rc = _wait(proc, timeout)
+    report.killed_s = time.perf_counter() - t0
+    if rc != EXIT_OK:
+        report.problems.append(f"final resume failed (rc {rc}); see {log}")
+        return report
+    if report.kills < kills:
+        report.problems.append(
+            f"only {report.kills} of {kills} kills landed before the run "
+            "finished (use a longer run)"
+        )
+    report.problems.extend(compare_runs(straight, killed))
+    report.ok = not report.problems
+    return report
+
+
+def _kill_plan(rng: np.random.Generator, lines: int, kills: int) -> list[tuple[str, int]]:
+    """Random kills land after a seeded number of metrics lines (spread over SFT and GRPO, never
+    in the last few lines so the run cannot finish first) plus a seeded part of a step; one kill
+    lands inside a checkpoint write and one is a SIGTERM."""
     hi = max(lines - 3, kills)
     targets = sorted(int(t) for t in rng.choice(np.arange(1, hi + 1), kills - 1, replace=False))
     plan: list[tuple[str, int]] = [("random", t) for t in targets]
     plan.insert(int(rng.integers(0, len(plan) + 1)), ("checkpoint-write", 0))
     plan.insert(int(rng.integers(0, len(plan) + 1)), ("sigterm", 0))
-    t0 = time.perf_counter()
-    log = work / "killed.log"
+    return plan
+
+
+def _kill_rounds(
+    args: list[str], work: Path, killed: Path, log: Path, plan: list[tuple[str, int]],
+    step_s: float, timeout: float, fork: bool, report: VerifyReport, rng: np.random.Generator,
+    say: Any,
+) -> None:  # fmt: skip
+    """Launch (resume=auto) and kill the run once per entry of ``plan``, recording events."""
     for kind, target in plan:
         before = _progress(killed)
         marker = work / "in-checkpoint-write"
@@ -300,7 +333,7 @@ def verify_resume(
         if proc.poll() is not None:
             report.events.append(Event(kind, _progress(killed), proc.returncode))
             say(f"[verify-resume] the run ended (rc {proc.returncode}) before the {kind}")
-            break
+            return
         sig = signal.SIGTERM if kind == "sigterm" else signal.SIGKILL
         at = _progress(killed)
         proc.send_signal(sig)
@@ -311,18 +344,3 @@ def verify_resume(
                 report.problems.append(f"SIGTERM gave exit code {rc}, expected {EXIT_PREEMPTED}")
         else:
             report.kills += 1
-    say("[verify-resume] resuming to the end")
-    proc = _launch([*args, "run.resume=auto"], killed, log, {}, fork)
-    rc = _wait(proc, timeout)
-    report.killed_s = time.perf_counter() - t0
-    if rc != EXIT_OK:
-        report.problems.append(f"final resume failed (rc {rc}); see {log}")
-        return report
-    if report.kills < kills:
-        report.problems.append(
-            f"only {report.kills} of {kills} kills landed before the run "
-            "finished (use a longer run)"
-        )
-    report.problems.extend(compare_runs(straight, killed))
-    report.ok = not report.problems
-    return report

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from gyre.config import Config, PerfConfig
+from gyre.credentials import resolve_api_key
 from gyre.engines.sync import WeightSync
 from gyre.engines.torch_engine import TorchEngine
 
@@ -48,7 +49,7 @@ def build_engine(
 
         engine = HttpEngine(
             e.urls,
-            api_key=e.api_key,
+            api_key=resolve_api_key(e),
             model=e.model,
             timeout_s=e.timeout_s,
             max_retries=e.max_retries,

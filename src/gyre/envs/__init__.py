@@ -16,7 +16,7 @@ from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.base import Demonstrator, Env
 from gyre.envs.dataset import DatasetEnv, load_jsonl_tasks
 from gyre.envs.maze import MazeEnv
-from gyre.plugins import load_object
+from gyre.plugins import ENV_REGISTRY, load_object
 
 __all__ = [
     "ArithmeticEnv",
@@ -29,14 +29,15 @@ __all__ = [
     "registered",
 ]
 
-_REGISTRY: dict[str, Callable[..., Env]] = {}
+_REGISTRY = ENV_REGISTRY  # name -> factory
 
 
 def register(name: str, factory: Callable[..., Env]) -> None:
     """Make ``env.name: <name>`` build envs with ``factory(**env.kwargs)`` in this process.
 
-    The registry lives in the process that called this: a Ray rollout worker does not see it,
-    so for ``runner=ray`` name the env by import path or file path instead.
+    Register before the config is loaded (``load_config`` checks the name). The registry lives
+    in the process that called this: a Ray rollout worker does not see it, so for
+    ``runner=ray`` name the env by import path or file path instead.
     """
     if name in BUILTIN_ENVS or ":" in name or not name.strip():
         raise ValueError(f"cannot register env {name!r}: built-in names and ':' are reserved")

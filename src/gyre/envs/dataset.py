@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from gyre.errors import InputError
+
 # Held-out seeds start here (gyre.rollout.evaluate.EVAL_SEED_BASE; not imported, to keep envs
 # light).
 EVAL_SEED_BASE = 2**31
@@ -42,32 +44,40 @@ class Task:
 def load_jsonl_tasks(
     path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer"
 ) -> list[Task]:
-    """Read and validate every row; a malformed row raises ``ValueError`` naming file:line."""
+    """Read and validate every row; a malformed row raises ``InputError`` (a ValueError)
+    naming file:line."""
     p = Path(path)
     if not str(path):
-        raise ValueError("env.dataset.path is empty; set it to a JSONL file of tasks")
+        raise InputError("env.dataset.path is empty; set it to a JSONL file of tasks")
     if not p.is_file():
-        raise ValueError(f"env.dataset.path '{p}' does not exist")
+        raise InputError(f"env.dataset.path '{p}' does not exist")
     tasks: list[Task] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+    with p.open("rb") as fh:  # bytes, so an undecodable row is named by its line
+        for lineno, raw_bytes in enumerate(fh, start=1):
+            where = f"{p}:{lineno}"
+            try:
+                raw = raw_bytes.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(
+                    f"{where}: not UTF-8 text (byte 0x{raw_bytes[exc.start]:02x} at column "
+                    f"{exc.start + 1})"
+                ) from None
             if not raw.strip():
                 continue
-            where = f"{p}:{lineno}"
             try:
                 row = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+                raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+                raise InputError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
             for key in (prompt_field, answer_field):
                 if key not in row:
-                    raise ValueError(f"{where}: missing field '{key}' (row keys: {sorted(row)})")
+                    raise InputError(f"{where}: missing field '{key}' (row keys: {sorted(row)})")
             prompt, answer = row[prompt_field], row[answer_field]
             if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"{where}: field '{prompt_field}' must be a non-empty string")
+                raise InputError(f"{where}: field '{prompt_field}' must be a non-empty string")
             if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-                raise ValueError(
+                raise InputError(
                     f"{where}: field '{answer_field}' must be a string or a number, "
                     f"got {type(answer).__name__}"
                 )
@@ -75,7 +85,7 @@ def load_jsonl_tasks(
             meta[answer_field] = str(answer)
             tasks.append(Task(prompt, str(answer), meta, lineno))
     if not tasks:
-        raise ValueError(f"env.dataset.path '{p}' holds no rows")
+        raise InputError(f"env.dataset.path '{p}' holds no rows")
     return tasks
 
 
@@ -84,7 +94,7 @@ class DatasetEnv:
 
     def __init__(self, tasks: list[Task], eval_rows: int = 0, source: str = "") -> None:
         if eval_rows >= len(tasks):
-            raise ValueError(
+            raise InputError(
                 f"env.dataset.eval_rows={eval_rows} leaves no training rows "
                 f"({len(tasks)} rows in {source or 'the dataset'})"
             )

@@ -64,6 +64,8 @@ from typing import Any
 
 import numpy as np
 
+from gyre.config import ConfigError
+
 MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
 OBSERVATIONS = ("compass", "exits", "window", "grid")
@@ -160,7 +162,11 @@ class MazeEnv:
                 self.shortest = int(dist[start])
                 self.budget = int(self.budget_factor * self.shortest)
                 return
-        raise RuntimeError(f"could not draw a maze for seed {seed}; lower min_distance or walls")
+        raise ConfigError(
+            f"could not draw a maze for seed {seed} in 10000 tries: env.maze.min_distance="
+            f"{self.min_distance} is too far for env.maze.size={n} with env.maze.wall_density="
+            f"{self.wall_density}; lower one of them"
+        )
 
     # -- protocol -------------------------------------------------------------------------------
     def reset(self, seed: int) -> str:

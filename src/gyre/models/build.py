@@ -8,6 +8,7 @@ loads a real checkpoint a user has on disk.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from transformers import (
 )
 
 from gyre.config import ModelConfig
+from gyre.errors import InputError
 
 # Every character the built-in envs and their prompts can produce. Unknown characters map to
 # <unk>, so a user prompt with other symbols still tokenises.
@@ -102,15 +104,35 @@ def load_pretrained(
         raise FileNotFoundError(
             f"model.path '{p}' is not a Hugging Face model folder (no config.json there)"
         )
+    check_model_config(p)
     tokenizer = load_tokenizer(p)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
     model.to(device)
     return model, tokenizer
 
 
+def check_model_config(folder: Path) -> None:
+    """A model folder's ``config.json`` must be a JSON object; else an :class:`InputError`
+    naming the file (transformers would fail with a multi-line traceback)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text (at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read ({exc.strerror})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: must hold a JSON object, got {type(data).__name__}")
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """A local folder's tokenizer (offline), with EOS as padding when it has no pad token."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_model_config(Path(path))
     tokenizer = AutoTokenizer.from_pretrained(Path(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -29,6 +29,7 @@ from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
 from gyre.rollout.chat import ChatMode
+from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
 from gyre.rollout.episodes import RolloutStats, run_episodes
 from gyre.rollout.evaluate import evaluate, train_seed
@@ -97,6 +98,8 @@ class Rollout:
         self.rewarder = rewarder
         # Message-mode envs get the chat template (and the tools' wrapper): rollout/tools.py.
         self.make_env, self.chat, self.toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
+        if self.chat is None:  # raw text: the first prompt must fit before any rollout
+            check_prompts(cfg, self.make_env, tokenizer, context_limit(engine))
         self.next_task = 0  # the local task stream's position (tasks consumed so far)
 
     @classmethod

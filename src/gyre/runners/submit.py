@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import load_config
+from gyre.credentials import secrets_to_env
 from gyre.runners.placement import require_ray
 
 
@@ -33,7 +34,8 @@ def build_job(
     wd = Path(working_dir).resolve()
     if not wd.is_dir():
         raise FileNotFoundError(f"--working-dir '{working_dir}' is not a directory")
-    args = list(overrides)
+    args, secret_env = secrets_to_env(list(overrides))  # the key travels in the job's env
+    env_vars = {**(env_vars or {}), **secret_env}
     if config is not None:
         cp = Path(config).resolve()
         try:

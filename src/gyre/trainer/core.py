@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gyre.checkpoint.resume import Checkpointer
+from gyre.checkpoint.resume import Checkpointer, check_parameters_finite
 from gyre.checkpoint.store import load_into, seed_everything
 from gyre.config import Config
 from gyre.models.build import load_pretrained
@@ -144,6 +144,7 @@ class Trainer:
             scoring=scoring,
         )  # fmt: skip
         m.update(upd)
+        check_parameters_finite(self.model, "GRPO", step)  # exit 3, nothing synced or saved
         return m
 
     def _sync_grads(self, model: torch.nn.Module) -> None:

@@ -8,6 +8,7 @@ it in its own (driver) process before GRPO.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from gyre.checkpoint.resume import (
     TaskCursor,
     cached,
     check_nonfinite,
+    check_parameters_finite,
     preempt_if_requested,
     rewind_metrics,
 )
@@ -33,6 +35,39 @@ from gyre.rollout.evaluate import train_seed
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from gyre.trainer.batch import collate
 from gyre.trainer.sft import sft_step
+from gyre.types import Trajectory
+
+
+def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajectory]:
+    """``sft.demos`` noisy-expert episodes on the SFT task stream, cached in ``sft_demos.pt``
+    under a key of everything they depend on (rebuilt when any of it changes). Every answer
+    ends with the token the rollout stops at (:attr:`gyre.rollout.stops.Stops.terminator`)."""
+    make_env = env_factory(cfg.env)
+    if not isinstance(make_env(), Demonstrator):
+        raise ValueError(
+            f"env.name={cfg.env.name!r} has no demonstrator (expert_action / random_action), so "
+            f"SFT cannot warm-start on it: set sft.steps=0 (it is {cfg.sft.steps})"
+        )
+    terminator = run_stops(cfg, tokenizer).terminator
+    rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
+    key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
+           "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab(),
+           "terminator": list(terminator)}  # fmt: skip
+    return cached(
+        run_dir / "sft_demos.pt",
+        key,
+        lambda: [
+            demonstrate(
+                make_env,
+                tokenizer,
+                train_seed(cfg.run.seed, STREAM_SFT, k),
+                cfg.sft.noise,
+                rng,
+                terminator=terminator,
+            )
+            for k in range(cfg.sft.demos)
+        ],
+    )
 
 
 def run_sft(
@@ -54,37 +89,7 @@ def run_sft(
     ckpt = ckpt or Checkpointer(cfg, run_dir)
     resuming = resume is not None and resume.phase == "sft" and resume.ckpt is not None
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
-    make_env = env_factory(cfg.env)
-    if not isinstance(make_env(), Demonstrator):
-        raise ValueError(
-            f"env.name={cfg.env.name!r} has no demonstrator (expert_action / random_action), so "
-            f"SFT cannot warm-start on it: set sft.steps=0 (it is {cfg.sft.steps})"
-        )
-    terminator = run_stops(cfg, tokenizer).terminator  # answers end where rollouts stop
-    rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
-    demo_key = {
-        "seed": cfg.run.seed,
-        "env": cfg.env.model_dump(),
-        "n": cfg.sft.demos,
-        "noise": cfg.sft.noise,
-        "vocab": tokenizer.get_vocab(),
-        "terminator": list(terminator),
-    }
-    demos = cached(
-        run_dir / "sft_demos.pt",
-        demo_key,
-        lambda: [
-            demonstrate(
-                make_env,
-                tokenizer,
-                train_seed(cfg.run.seed, STREAM_SFT, k),
-                cfg.sft.noise,
-                rng,
-                terminator=terminator,
-            )
-            for k in range(cfg.sft.demos)
-        ],
-    )
+    demos = demonstrations(cfg, run_dir, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.sft.warmup_steps))
@@ -120,6 +125,7 @@ def run_sft(
             streak = streak + 1 if metrics["sft/nonfinite_skipped"] else 0
             sink.log(step, {**metrics, "sft/lr": lr})
             check_nonfinite(cfg, streak, "SFT", step)
+            check_parameters_finite(model, "SFT", step)
             saved = None
             every = cfg.checkpoint.sft_every
             if every and step % every == 0 and step < cfg.sft.steps:
