@@ -78,12 +78,32 @@ def test_scaling_bench_quick() -> None:
 def test_checkpoint_bench_tiny(tmp_path) -> None:
     """``bench/checkpoint.py`` end to end on the tiny model (3 gyre processes: slow)."""
     bench = BENCH.parent / "checkpoint.py"
-    tiny = ["model.hidden_size=32", "model.num_layers=2", "model.intermediate_size=64",
-            "sft.demos=16", "train.tasks_per_step=2", "train.group_size=2"]
+    tiny = [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.intermediate_size=64",
+        "sft.demos=16",
+        "train.tasks_per_step=2",
+        "train.group_size=2",
+    ]
     proc = subprocess.run(
-        [sys.executable, str(bench), "--sft-steps", "2", "--steps", "2", "--threads", "1",
-         "--workdir", str(tmp_path), *tiny],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            str(bench),
+            "--sft-steps",
+            "2",
+            "--steps",
+            "2",
+            "--threads",
+            "1",
+            "--workdir",
+            str(tmp_path),
+            *tiny,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -102,3 +122,15 @@ def test_profile_step_bench_quick() -> None:
         assert phases["step"] > 0
         for name in must:
             assert 0 < phases[name] <= phases["step"], (side, name, phases)
+
+
+AGENT = BENCH.parent / "agent.py"
+
+
+def test_agent_bench_quick() -> None:
+    report = _last_json(AGENT, "--quick", timeout=300)
+    assert report["bench"] == "agent" and report["threads"] == 1
+    for side in ("message", "raw", "hf_naive"):
+        assert report[side]["tok_s"] > 0 and report[side]["generated_tokens"] > 0, side
+        assert report[side]["turns"] >= 2 * 2 * 2, side  # E=2 x G=2 episodes x 2 user turns
+    assert report["ratio_message_vs_raw"] > 0 and report["ratio_message_vs_hf_naive"] > 0

@@ -242,22 +242,6 @@ class SamplingConfig(_Section):
         return v
 
 
-class RolloutConfig(_Section):
-    """Where a turn ends (docs/envs.md: stop tokens and stop strings)."""
-
-    stop_tokens: list[str] = Field(
-        default_factory=list,
-        description="Tokens that end a turn, each one token of the tokenizer (e.g. "
-        "'<|im_end|>'); empty = derived: the chat template's end-of-turn token, EOS, and the "
-        "newline where it is one token.",
-    )
-    stop_strings: list[str] = Field(
-        default_factory=list,
-        description="Texts that end a turn: the action is cut after the token whose decoded "
-        "text first contains one; empty = derived: '\\n' where the newline is a stop token.",
-    )
-
-
 class SFTConfig(_Section):
     steps: int = Field(600, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
@@ -790,6 +774,57 @@ class SandboxConfig(_Section):
     )
 
 
+class RolloutConfig(_Section):
+    """Where a turn ends, and message-mode rollouts: chat templates, tool calls, limits
+    (docs/envs.md)."""
+
+    stop_tokens: list[str] = Field(
+        default_factory=list,
+        description="Tokens that end a turn, each one token of the tokenizer (e.g. "
+        "'<|im_end|>'); empty = derived: the chat template's end-of-turn token, EOS, and the "
+        "newline where it is one token.",
+    )
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="Texts that end a turn: the action is cut after the token whose decoded "
+        "text first contains one; empty = derived: '\\n' where the newline is a stop token.",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools offered to the model in message mode: built-in names (calculator, "
+        "python) or 'module:attr' import paths of a gyre.rollout.tools.Tool.",
+    )
+    tool_parser: str = Field(
+        "hermes",
+        description="How tool calls are read from the model's text (gyre.rollout.tools "
+        "PARSERS; hermes: <tool_call>{json}</tool_call>, Qwen's format).",
+    )
+    stepwise: bool = Field(
+        False,
+        description="Message mode: every assistant turn is its own training sample whose prompt "
+        "is the template's rendering at that turn; turns share their episode's advantage.",
+    )
+    max_turns: int = Field(
+        16, gt=0, description="Message mode: most assistant turns per episode (then truncated)."
+    )
+    max_tool_calls: int = Field(
+        8, ge=0, description="Message mode: most tool calls per episode; later ones get an error."
+    )
+    max_context_tokens: int = Field(
+        0,
+        ge=0,
+        description="Message mode: an episode whose tokens would pass this ends as truncated "
+        "(rollout/truncated_context); 0: no limit.",
+    )
+    tool_output_chars: int = Field(
+        2000, gt=0, description="Longest tool result text given back to the model (cut after)."
+    )
+    python: SandboxConfig = Field(
+        default_factory=lambda: SandboxConfig(timeout_s=5.0, memory_mb=512, workers=1),
+        description="Sandbox of the python tool (time, memory, network; gyre.rewards.sandbox).",
+    )
+
+
 class RewardConfig(_Section):
     functions: list[RewardFnConfig] = Field(
         default_factory=list,
@@ -842,7 +877,8 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
     rollout: RolloutConfig = Field(
-        default_factory=RolloutConfig, description="Where a turn ends: stop tokens and strings."
+        default_factory=RolloutConfig,
+        description="Where a turn ends; message mode: tools, step-wise samples, limits.",
     )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm start.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="GRPO training.")
@@ -878,6 +914,19 @@ class Config(_Section):
         if v.resume not in ("auto", "never") and not v.resume:
             raise ValueError("run.resume must be 'auto', 'never' or a path")
         return v
+
+    @model_validator(mode="after")
+    def _check_stepwise(self) -> Config:
+        if self.rollout.stepwise:
+            adv = self.train.algo.advantage
+            if adv not in ("grpo", "dr_grpo", "rloo"):
+                raise ValueError(
+                    f"rollout.stepwise needs an outcome estimator (grpo, dr_grpo, rloo); "
+                    f"train.algo.advantage={adv} is per token"
+                )
+            if self.train.dapo.overlong_buffer_len > 0:
+                raise ValueError("rollout.stepwise: train.dapo.overlong_buffer_len must be 0")
+        return self
 
     @model_validator(mode="after")
     def _check_ray(self) -> Config:

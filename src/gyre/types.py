@@ -77,6 +77,11 @@ class Trajectory:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     turn_states: list[Hashable] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
+    steps: list[Trajectory] | None = None
+    """Step-wise samples (``rollout.stepwise``): one per assistant turn, its prompt as the chat
+    template rendered that turn, mask 1 on that turn's sampled ids. When set, the trainer trains
+    on these instead of ``token_ids`` (each gets this episode's reward, group and advantage;
+    ``gyre.trainer.stepwise``); ``token_ids`` stays the whole episode, for rewards and logs."""
 
     @property
     def num_generated(self) -> int:

@@ -90,12 +90,14 @@ class StopGuard:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signame is not None:
-            os.write(2, f"\ngyre: second {name}: aborting now, without a new checkpoint\n"
-                     .encode())
+            os.write(2, f"\ngyre: second {name}: aborting now, without a new checkpoint\n".encode())
             os._exit(EXIT_ABORTED)
         self.signame = name
-        os.write(2, f"\ngyre: {name} received: stopping at the end of this step after a "
-                 "checkpoint (send it again to abort at once)\n".encode())
+        os.write(
+            2,
+            f"\ngyre: {name} received: stopping at the end of this step after a "
+            "checkpoint (send it again to abort at once)\n".encode(),
+        )
 
     def __enter__(self) -> StopGuard:
         if threading.current_thread() is threading.main_thread():
@@ -228,7 +230,9 @@ def rewind_metrics(path: Path, offset: int) -> None:
     if size < offset:
         log.warning(
             "%s holds %d bytes but the checkpoint recorded %d; keeping what is there",
-            path, size, offset,
+            path,
+            size,
+            offset,
         )
     elif size > offset:
         with open(path, "r+b") as f:
@@ -258,8 +262,17 @@ class ResumePlan:
 
 
 # Everything a run writes into run.dir (what run.overwrite=true removes).
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "sft_metrics.jsonl", "sft", "final", "init",
-               "summary.json", ".resume_cache", "sft_demos.pt")
+RUN_OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "sft_metrics.jsonl",
+    "sft",
+    "final",
+    "init",
+    "summary.json",
+    ".resume_cache",
+    "sft_demos.pt",
+)
 
 
 class Checkpointer:
@@ -279,8 +292,11 @@ class Checkpointer:
     # -- fresh-run refusal ---------------------------------------------------------------------
     def holds_run(self) -> list[str]:
         """What in run.dir / the checkpoint root shows an earlier run (empty: nothing)."""
-        found = [n for n in ("metrics.jsonl", "sft_metrics.jsonl", "sft", "final")
-                 if (self.run_dir / n).exists()]
+        found = [
+            n
+            for n in ("metrics.jsonl", "sft_metrics.jsonl", "sft", "final")
+            if (self.run_dir / n).exists()
+        ]
         n = len(self.store.names(GRPO_PREFIX)) + len(self.store.names(SFT_PREFIX))
         if n:
             found.insert(0, f"{n} checkpoint(s) in {self.store.url}")
@@ -348,8 +364,9 @@ class Checkpointer:
             if found:
                 return ResumePlan("sft", found[1], self.store.url_of(found[0]))
         if self.holds_run():
-            log.warning("run.resume=auto: no valid checkpoint in %s; starting from scratch",
-                        self.store.url)
+            log.warning(
+                "run.resume=auto: no valid checkpoint in %s; starting from scratch", self.store.url
+            )
         return ResumePlan("fresh")
 
     def _plan_explicit(self, resume: str) -> ResumePlan:
@@ -385,8 +402,17 @@ class Checkpointer:
         """
         prefix = SFT_PREFIX if phase == "sft" else GRPO_PREFIX
         full = {**state, "metrics_offset": durable_size(metrics_path)}
-        snap = Snapshot(step, full, optimizer, scheduler, generators, self.config,
-                        self.config_hash, phase, extra)
+        snap = Snapshot(
+            step,
+            full,
+            optimizer,
+            scheduler,
+            generators,
+            self.config,
+            self.config_hash,
+            phase,
+            extra,
+        )
         t0 = time.perf_counter()
         try:
             path = save(self.store, f"{prefix}{step:06d}", model, tokenizer, snap)
@@ -397,15 +423,27 @@ class Checkpointer:
                 log.warning("%s (checkpoint.on_error=continue: training goes on)", exc)
                 return None
             raise
-        self.stats.append({"phase": phase, "step": step, "seconds": time.perf_counter() - t0,
-                           "bytes": self._size(path)})
+        self.stats.append(
+            {
+                "phase": phase,
+                "step": step,
+                "seconds": time.perf_counter() - t0,
+                "bytes": self._size(path),
+            }
+        )
         self.store.prune(prefix, self.cfg.checkpoint.keep, self.cfg.checkpoint.keep_every)
         return path
 
     def _size(self, path: str) -> int:
         try:
-            return int(sum(m["size"] for m in json.loads(
-                self.store.fs.cat_file(f"{path}/{MANIFEST_FILE}"))["files"].values()))
+            return int(
+                sum(
+                    m["size"]
+                    for m in json.loads(self.store.fs.cat_file(f"{path}/{MANIFEST_FILE}"))[
+                        "files"
+                    ].values()
+                )
+            )
         except (OSError, ValueError, KeyError):
             return -1
 

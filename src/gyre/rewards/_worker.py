@@ -88,6 +88,8 @@ def _call(fns: dict[str, Callable[..., Any]], req: dict[str, Any]) -> dict[str, 
     out = fn(req["prompts"], req["completions"], **req["columns"], **req["kwargs"])
     if inspect.isawaitable(out):
         out = asyncio.run(_await(out))
+    if req.get("text"):  # a text call (the python tool of gyre.rollout.tools): a string back
+        return {"ok": True, "values": [], "text": str(out)}
     values = [float(v) for v in out]
     n = len(req["prompts"])
     if len(values) != n:

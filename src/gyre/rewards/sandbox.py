@@ -72,6 +72,7 @@ class CallResult:
     values: list[float] | None
     kind: str = "ok"  # ok | timeout | memory | crash | exception | bad_output
     error: str = ""
+    text: str = ""  # a text call's result (request key "text": true; the python tool)
 
     @property
     def ok(self) -> bool:
@@ -205,7 +206,10 @@ class _Worker:
                 if bad:
                     msg = f"non-finite reward from worker: {bad[0]}"
                     return CallResult(None, "bad_output", msg)
-                return CallResult([float(v) for v in values])
+                text = reply.get("text", "")
+                if not isinstance(text, str):
+                    return CallResult(None, "bad_output", "malformed text reply from worker")
+                return CallResult([float(v) for v in values], text=text)
             return CallResult(None, "bad_output", f"malformed reply from worker: {reply!r:.200}")
         return CallResult(None, str(reply.get("kind", "exception")), str(reply.get("error", "")))
 

@@ -28,12 +28,14 @@ from gyre.engines.factory import build_engine, initial_sync, torch_engine_option
 from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
+from gyre.rollout.chat import ChatMode
 from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
 from gyre.rollout.episodes import RolloutStats, run_episodes
 from gyre.rollout.evaluate import evaluate, train_seed
 from gyre.rollout.replay import LevelReplay
 from gyre.rollout.stops import Stops, derive_stops
+from gyre.rollout.tools import message_metrics, message_mode
 from gyre.telemetry import timed
 from gyre.types import SamplingParams, Trajectory
 
@@ -45,13 +47,19 @@ def rollout_seed(cfg: Config, step: int, round_: int = 0) -> int:
     return (cfg.run.seed * 1_000_003 + step + round_ * 7_919) % 2**31
 
 
-def run_stops(cfg: Config, tokenizer: Any) -> Stops:
-    """The run's stop tokens and strings: ``rollout.*`` or derived from the tokenizer."""
+def run_stops(cfg: Config, tokenizer: Any, chat: ChatMode | None = None) -> Stops:
+    """The run's stop tokens and strings: ``rollout.*`` or derived from the tokenizer (in
+    message mode: the chat template's end-of-turn token and EOS, no newline stops)."""
+    if chat is not None and not cfg.rollout.stop_tokens:
+        ids = chat.template.stop_ids()
+        return Stops(ids, tuple(cfg.rollout.stop_strings), (chat.template.end_id,))
     return derive_stops(tokenizer, cfg.rollout.stop_tokens, cfg.rollout.stop_strings)
 
 
-def sampling_params(cfg: Config, tokenizer: Any, seed: int | None) -> SamplingParams:
-    s, stops = cfg.train.sampling, run_stops(cfg, tokenizer)
+def sampling_params(
+    cfg: Config, tokenizer: Any, seed: int | None, chat: ChatMode | None = None
+) -> SamplingParams:
+    s, stops = cfg.train.sampling, run_stops(cfg, tokenizer, chat)
     return SamplingParams(
         s.temperature, s.top_p, s.max_new_tokens, stops.token_ids, seed,
         stop_strings=stops.strings,
@@ -69,6 +77,7 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         "rollout/response_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
         "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
         "rollout/failed_episodes": float(sum(bool(t.info.get("failed")) for t in trajs)),
+        **message_metrics(trajs),
     }
 
 
@@ -88,8 +97,10 @@ class Rollout:
         self.tokenizer = tokenizer
         self.syncer = syncer
         self.rewarder = rewarder
-        self.make_env = env_factory(cfg.env)
-        check_prompts(cfg, self.make_env, tokenizer, context_limit(engine))  # before any rollout
+        # Message-mode envs get the chat template (and the tools' wrapper): rollout/tools.py.
+        self.make_env, self.chat, self.toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
+        if self.chat is None:  # raw text: the first prompt must fit before any rollout
+            check_prompts(cfg, self.make_env, tokenizer, context_limit(engine))
         self.next_task = 0  # the local task stream's position (tasks consumed so far)
         replay = cfg.train.level_replay
         self.replay = LevelReplay(replay, cfg.run.seed) if replay.prob > 0 else None
@@ -149,10 +160,10 @@ class Rollout:
         cfg, G = self.cfg, self.cfg.train.group_size
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         stats = RolloutStats()
-        params = sampling_params(cfg, self.tokenizer, seed)
+        params = sampling_params(cfg, self.tokenizer, seed, self.chat)
         trajs = run_episodes(
             self.make_env, self.engine, self.tokenizer, seeds, G, params, stats,
-            continuous=cfg.perf.continuous,
+            continuous=cfg.perf.continuous, chat=self.chat,
         )  # fmt: skip
         for i, t in enumerate(trajs):
             t.group_id = tasks[i // G]
@@ -206,13 +217,14 @@ class Rollout:
         ``eval.validation_episodes``) of the engine's current weights with the run's settings."""
         cfg, out = self.cfg, {}
         s = cfg.train.sampling
-        stops = run_stops(cfg, self.tokenizer)
+        stops = run_stops(cfg, self.tokenizer, self.chat)
         for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
             if n:
                 out.update(evaluate(
                     self.engine, self.make_env, self.tokenizer, n, s.temperature,
                     s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed,
                     top_p=s.top_p, split=split, continuous=cfg.perf.continuous, stops=stops,
+                    chat=self.chat,
                 ))  # fmt: skip
         return out
 
@@ -249,6 +261,8 @@ class Rollout:
         self.engine.adopt(path, version, lora=self.cfg.model.lora is not None)
 
     def close(self) -> None:
+        if self.toolbox is not None:
+            self.toolbox.close()
         if self.rewarder is not None:
             self.rewarder.close()
         if hasattr(self.engine, "close"):

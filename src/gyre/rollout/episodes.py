@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from gyre.checkpoint.store import fault_point
 from gyre.engines.base import Engine
 from gyre.envs.base import Demonstrator, Env
+from gyre.rollout.chat import ChatEpisode, ChatMode
 from gyre.rollout.stops import cut_at_stop, derive_stops
 from gyre.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
@@ -91,6 +92,7 @@ def run_episodes(
     params: SamplingParams,
     stats: RolloutStats | None = None,
     continuous: bool = True,
+    chat: ChatMode | None = None,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of every task seed, all turns batched through ``engine``.
 
@@ -99,6 +101,8 @@ def run_episodes(
     (:func:`turn_seed`), so the sampled tokens do not depend on how turns are batched.
     ``continuous`` (``perf.continuous``) uses the engine's ``generate_continuous`` where it
     has one; otherwise (or off) turns are batched in lockstep.
+    ``chat``: the envs are message-mode ones, rendered by a chat template
+    (:mod:`gyre.rollout.chat`; the marked ``message mode`` lines below are its whole hook).
     """
     t0 = time.perf_counter()
     n = len(task_seeds) * group_size
@@ -112,6 +116,7 @@ def run_episodes(
     states: list[list[Any]] = [[] for _ in range(n)]
     turn_r: list[list[float]] = [[] for _ in range(n)]
     failed: set[int] = set()
+    chats: list[ChatEpisode | None] = [None] * n  # message mode: each episode's conversation
     # Texts repeat across a group (the same first observation G times, the same answers):
     # encode / decode each distinct one once per rollout (a tokenizer call costs ~50 us).
     first_ids = _memo(lambda text: prompt_ids(tokenizer, text))
@@ -127,7 +132,11 @@ def run_episodes(
                 failed.add(i)
                 first_obs = ""
             states[i].append(initial_state(envs[i]))
-            first = list(first_ids(first_obs)) or [tokenizer.pad_token_id]
+            if chat is not None and i not in failed:  # message mode
+                chats[i] = chat.episode()
+                first = chats[i].start(first_obs)
+            else:
+                first = list(first_ids(first_obs)) or [tokenizer.pad_token_id]
             ids.append(first)
             mask.append([0] * len(first))
             lps.append([0.0] * len(first))
@@ -140,9 +149,10 @@ def run_episodes(
     params = replace(params, seed=None)
 
     def request(i: int) -> GenerationRequest:
-        return GenerationRequest(
-            ids[i], session=sessions[i], seed=turn_seed(base_seed, i, turns[i])
-        )
+        c = chats[i]
+        prompt = ids[i] if c is None else c.prompt(ids[i])  # message mode: step-wise prompt
+        seed = turn_seed(base_seed, i, turns[i])
+        return GenerationRequest(prompt, session=sessions[i], seed=seed)
 
     def finish_turn(i: int, out: Completion) -> bool:
         """Append the action and the env's answer to episode i; True if it goes on.
@@ -160,7 +170,11 @@ def run_episodes(
         lps[i].extend(out.logprobs[: len(toks)])
         gen_tokens += len(toks)
         truncated[i] = reason == "length"
-        text = decode(tuple(toks))
+        c = chats[i]
+        if c is None:
+            text = decode(tuple(toks))
+        else:  # message mode
+            text = c.reply(Completion(list(toks), out.logprobs[: len(toks)], reason))
         turns[i] += 1
         try:
             fault_point("env.step")  # GYRE_FAULT=env.step:raise (tests): as if the env raised
@@ -172,10 +186,19 @@ def run_episodes(
         reward[i] += r
         turn_r[i].append(float(r))
         infos[i] = info
-        if done:
+        if c is not None and chat is not None:  # message mode: the next suffix, or the end
+            obs_ids, end = chat.advance(c, obs, done, turns[i], len(ids[i]))
+            if end is not None:
+                ids[i].extend(obs_ids)  # the template's closing glue (mask 0)
+                mask[i].extend([0] * len(obs_ids))
+                lps[i].extend([0.0] * len(obs_ids))
+                infos[i] = {**info, **end}
+                return False
+        elif done:
             return False
+        else:
+            obs_ids = encode(obs)  # only read (extended into the row), never changed
         states[i].append(info.get("state"))  # the state the next turn's action starts from
-        obs_ids = encode(obs)  # only read (extended into the row), never changed
         ids[i].extend(obs_ids)
         mask[i].extend([0] * len(obs_ids))
         lps[i].extend([0.0] * len(obs_ids))
@@ -220,10 +243,11 @@ def run_episodes(
             success=bool(infos[i].get("success", False)),
             task_seed=int(task_seeds[i // group_size]),
             info=infos[i],
-            truncated=truncated[i],
+            truncated=truncated[i] or bool(infos[i].get("truncated_limit")),
             turn_spans=spans[i],
             turn_states=states[i][: len(spans[i])],
             turn_rewards=turn_r[i] + [0.0] * (len(spans[i]) - len(turn_r[i])),
+            steps=_steps(chats[i]) if i not in failed else None,
         )
         for i in range(n)
     ]
@@ -240,6 +264,11 @@ def initial_state(env: Env) -> Any:
     a constant (every episode of a group starts from the same ``reset(seed)``)."""
     key = getattr(env, "state_key", None)
     return key() if callable(key) else ("start",)
+
+
+def _steps(ep: ChatEpisode | None) -> list[Trajectory] | None:
+    """A step-wise message-mode episode's turn samples (None otherwise)."""
+    return ep.steps if ep is not None and ep.stepwise else None
 
 
 def _env_failure(episode: int, seed: int, where: str) -> dict:

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gyre.engines.base import Engine
 from gyre.envs.base import Env
+from gyre.rollout.chat import ChatMode
 from gyre.rollout.episodes import run_episodes
 from gyre.rollout.stops import Stops, derive_stops
 from gyre.types import SamplingParams
@@ -61,12 +62,13 @@ def evaluate(
     split: str = "eval",
     continuous: bool = True,
     stops: Stops | None = None,
+    chat: ChatMode | None = None,
 ) -> dict[str, float]:
     """Success rate and mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
     seeds, ``val``: validation seeds), greedy and (with ``sampled``) sampled; metrics
     ``<split>/success_greedy`` ...; ``continuous`` is ``perf.continuous`` (see
     :func:`gyre.rollout.episodes.run_episodes`); ``stops`` the run's (default: derived from
-    the tokenizer)."""
+    the tokenizer); ``chat``: message mode."""
     if split not in ("eval", "val"):
         raise ValueError(f"unknown evaluation split {split!r}; valid: eval, val")
     seeds = eval_seeds(episodes) if split == "eval" else validation_seeds(episodes)
@@ -82,7 +84,9 @@ def evaluate(
             seed=seed,
             stop_strings=stops.strings,
         )
-        trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params, continuous=continuous)
+        trajs = run_episodes(
+            make_env, engine, tokenizer, seeds, 1, params, continuous=continuous, chat=chat
+        )
         out[f"{split}/success_{name}"] = float(np.mean([t.success for t in trajs]))
         out[f"{split}/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
     return out

@@ -36,6 +36,7 @@ from gyre.trainer.critic import ValueModel
 from gyre.trainer.overlong import apply_overlong
 from gyre.trainer.schedule import build_scheduler
 from gyre.trainer.scoring import ScoringOptions
+from gyre.trainer.stepwise import expand_steps
 from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
 from gyre.types import Trajectory
 
@@ -130,6 +131,7 @@ class Trainer:
         scoring = ScoringOptions.from_perf(cfg.perf)
         if self.scheduler is not None:
             m["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        trajs, episodes = expand_steps(trajs)  # step-wise samples -> rows (trainer/stepwise.py)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
         batch = collate(trajs, self.tokenizer.pad_token_id, device)
@@ -141,7 +143,8 @@ class Trainer:
         )
         adv, adv_m = batch_advantages(
             algo.advantage, shaped, groups, batch, train,
-            eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam, **_estimator_kw(algo, trajs),
+            eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam, episodes=episodes,
+            **_estimator_kw(algo, trajs),
         )  # fmt: skip
         m.update(adv_m)
         gen = torch.Generator()

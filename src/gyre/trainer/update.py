@@ -55,6 +55,7 @@ from gyre.trainer.batch import TokenBatch, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
 from gyre.trainer.loss import micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
+from gyre.trainer.stepwise import episode_advantages
 
 OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 
@@ -230,9 +231,13 @@ def batch_advantages(
     eps: float | None = None,
     gamma: float | None = None,
     lam: float | None = None,
+    episodes: torch.Tensor | None = None,
     **estimator: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages (B,) or (B, T) for ``batch``; value targets land in ``batch.extras``.
+
+    ``episodes`` (B,): step-wise rows' episode index (:mod:`gyre.trainer.stepwise`): the
+    outcome estimator runs on episodes and each row gets its episode's advantage.
 
     ``eps``, ``gamma``, ``lam`` default to ``train.adv_eps``, ``train.algo.gamma`` / ``lam``;
     ``estimator``: further keywords of :func:`gyre.algos.compute_advantages` (``turns``, ...).
@@ -244,14 +249,24 @@ def batch_advantages(
     token_rewards = None
     mask = batch.loss_mask
     rewards = rewards.float().to(mask.device)
+    penalty = None
     if train.algo.kl_in == "reward" and "ref_logprobs" in batch.extras:
         old = batch.extras.get("old_logprobs", batch.rollout_logprobs)
         kl = get_kl_fn(train.algo.kl_type)(old, batch.extras["ref_logprobs"]) * mask  # (B, T)
         metrics["train/kl"] = float(kl.sum() / mask.sum().clamp(min=1))
         if name in TOKEN_LEVEL:
             token_rewards = -train.kl_coef * kl
+        elif episodes is not None:
+            penalty = train.kl_coef * kl.sum(dim=1)
         else:
             rewards = rewards - train.kl_coef * kl.sum(dim=1)
+    if episodes is not None:
+        if name in TOKEN_LEVEL:
+            raise ValueError(f"step-wise samples need an outcome estimator, not {name!r}")
+        e = train.adv_eps if eps is None else eps
+        fn = lambda r, g: compute_advantages(name, r, g, eps=e)[0]  # noqa: E731
+        adv = episode_advantages(fn, rewards, penalty, group_ids, episodes)
+        return adv.to(mask.device), metrics
     adv, returns = compute_advantages(
         name,
         rewards.cpu() if name not in TOKEN_LEVEL else rewards,
