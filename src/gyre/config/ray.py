@@ -1,0 +1,85 @@
+"""The Ray runner's section: actors, placement, async modes, recovery."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+)
+
+from gyre.config.base import (
+    _Section,
+)
+
+
+class RoleResources(_Section):
+    num_cpus: float = Field(1.0, ge=0, description="Logical CPUs one actor of this role reserves.")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs one actor of this role reserves (fractions share a GPU)."
+    )
+
+
+class RayConfig(_Section):
+    """The Ray runner (``runner: ray``): actors, placement, async mode and recovery."""
+
+    address: str = Field(
+        "",
+        description="'' starts a local Ray cluster (or joins RAY_ADDRESS when set, as inside a "
+        "submitted job); 'auto' or 'ray://host:10001' joins an existing one.",
+    )
+    num_cpus: int = Field(0, ge=0, description="Logical CPUs of a local cluster; 0 detects them.")
+    temp_dir: str = Field("", description="Ray's session directory for a local cluster.")
+    namespace: str = Field("gyre", description="Ray namespace; actors are named inside it.")
+    rollout_workers: int = Field(2, gt=0, description="Rollout actors (engine + env factory).")
+    trainer_ranks: int = Field(
+        1, gt=0, description="Trainer actors doing data-parallel updates over torch.distributed."
+    )
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "disaggregated",
+        description="colocated: roles share bundles and alternate; disaggregated: own bundles, "
+        "generation overlaps training.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the bundles."
+    )
+    rollout: RoleResources = Field(
+        default_factory=RoleResources, description="Resources of one rollout actor."
+    )
+    trainer: RoleResources = Field(
+        default_factory=RoleResources, description="Resources of one trainer actor."
+    )
+    mode: Literal["sync", "one-step-off", "async"] = Field(
+        "sync",
+        description="sync: generate then train; one-step-off: generate batch n+1 while training "
+        "n; async: generation runs up to ray.async_ahead batches ahead.",
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="A trajectory of policy v trains version v+k only while k <= this."
+    )
+    async_ahead: int = Field(
+        -1, ge=-1, description="async mode: batches generation may run ahead; -1 = max_staleness."
+    )
+    tasks_per_share: int = Field(
+        0,
+        ge=0,
+        description="Tasks in one unit of rollout work handed to a worker; 0 = tasks_per_step / "
+        "rollout_workers (rounded up to a divisor).",
+    )
+    strategy: Literal["auto", "ddp", "fsdp2"] = Field(
+        "auto", description="Data parallelism: ddp (gloo, CPU) or fsdp2 (nccl, GPU); auto picks."
+    )
+    max_rollout_restarts: int = Field(
+        8, ge=0, description="Dead rollout actors replaced before the run fails."
+    )
+    max_trainer_restarts: int = Field(
+        2, ge=0, description="Trainer-group restarts from the latest checkpoint before failing."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, v: str) -> str:
+        if v not in ("", "auto", "local") and not v.startswith(("ray://", "http")) and ":" not in v:
+            raise ValueError("use '', 'auto', 'local', 'ray://HOST:PORT' or 'HOST:PORT'")
+        return v

@@ -1,0 +1,138 @@
+"""The root :class:`Config` and its cross-section checks."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from gyre.config.base import (
+    _Section,
+)
+from gyre.config.engine import EngineConfig, PerfConfig
+from gyre.config.ops import CheckpointConfig, EvalConfig, FaultsConfig, LogConfig, TelemetryConfig
+from gyre.config.ray import RayConfig
+from gyre.config.rewards import RewardConfig
+from gyre.config.run import EnvConfig, ModelConfig, RolloutConfig, RunConfig
+from gyre.config.train import SFTConfig, TrainConfig
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig,
+        description="Where a turn ends; message mode: tools, step-wise samples, limits.",
+    )
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm start.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="GRPO training.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpointing."
+    )
+    log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")
+    telemetry: TelemetryConfig = Field(
+        default_factory=TelemetryConfig, description="Metric sinks, exporter and samples."
+    )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="Reward functions beyond the env's reward."
+    )
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="Rollout engine and weight sync."
+    )
+    faults: FaultsConfig = Field(
+        default_factory=FaultsConfig, description="Fault tolerance policies."
+    )
+    perf: PerfConfig = Field(
+        default_factory=PerfConfig,
+        description="Speed switches of scoring, engine and rollout (docs/performance.md).",
+    )
+    runner: Literal["local", "ray"] = Field(
+        "local", description="local: one process; ray: rollout and trainer actors on Ray."
+    )
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray runner settings.")
+
+    @field_validator("run")
+    @classmethod
+    def _check_run(cls, v: RunConfig) -> RunConfig:
+        if v.resume not in ("auto", "never") and not v.resume:
+            raise ValueError("run.resume must be 'auto', 'never' or a path")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stepwise(self) -> Config:
+        if self.rollout.stepwise:
+            adv = self.train.algo.advantage
+            if adv not in ("grpo", "dr_grpo", "rloo"):
+                raise ValueError(
+                    f"rollout.stepwise needs an outcome estimator (grpo, dr_grpo, rloo); "
+                    f"train.algo.advantage={adv} is per token"
+                )
+            if self.train.dapo.overlong_buffer_len > 0:
+                raise ValueError("rollout.stepwise: train.dapo.overlong_buffer_len must be 0")
+        return self
+
+    @model_validator(mode="after")
+    def _check_ray(self) -> Config:
+        if self.runner == "ray":
+            check_ray_config(self)
+        if self.engine.weight_sync == "shared" and self.model.lora is not None:
+            raise ValueError(
+                "engine.weight_sync=shared is for full-weight training; with model.lora use "
+                "memory (the adapter's tensors are copied) or disk"
+            )
+        if self.eval.validation_episodes and self.env.name == "dataset":
+            raise ValueError(
+                "eval.validation_episodes draws tasks from its own seeds; env.name=dataset maps "
+                "seeds to rows (training rows or the env.dataset.eval_rows), so it has no "
+                "validation split: set eval.validation_episodes=0"
+            )
+        return self
+
+
+def check_ray_config(cfg: Config) -> None:
+    """Errors that name the field, raised before any actor starts."""
+    r, t = cfg.ray, cfg.train
+    if r.placement == "colocated" and r.mode != "sync":
+        raise ValueError(
+            f"ray.mode={r.mode!r} needs ray.placement=disaggregated: colocated roles share "
+            "devices and alternate, so generation cannot overlap training"
+        )
+    share = r.tasks_per_share or tasks_per_share(t.tasks_per_step, r.rollout_workers)
+    if t.tasks_per_step % share:
+        raise ValueError(
+            f"ray.tasks_per_share={share} must divide train.tasks_per_step={t.tasks_per_step}"
+        )
+    if t.tasks_per_step % r.trainer_ranks:
+        raise ValueError(
+            f"ray.trainer_ranks={r.trainer_ranks} must divide "
+            f"train.tasks_per_step={t.tasks_per_step} (every rank trains whole groups)"
+        )
+    if t.algo.advantage.startswith("reinforce_pp") and r.trainer_ranks > 1:
+        raise ValueError(
+            f"train.algo.advantage={t.algo.advantage!r} whitens over the whole batch; with "
+            "runner=ray it needs ray.trainer_ranks=1"
+        )
+    if t.level_replay.prob > 0:
+        raise ValueError(
+            "train.level_replay.prob > 0 replays tasks from the local runner's task stream "
+            "(the Ray scheduler hands out contiguous task ranges); use runner=local, or "
+            "train.level_replay.prob=0"
+        )
+    if cfg.engine.weight_sync == "shared":
+        raise ValueError(
+            "engine.weight_sync=shared makes the engine sample from the trainer's own "
+            "parameters, which needs both in one process; with runner=ray the engines and the "
+            "trainer are separate actors, so use engine.weight_sync=memory"
+        )
+
+
+def tasks_per_share(tasks_per_step: int, workers: int) -> int:
+    """The default unit of rollout work: the smallest divisor of the step >= step / workers."""
+    want = -(-tasks_per_step // workers)
+    return next(d for d in range(want, tasks_per_step + 1) if tasks_per_step % d == 0)

@@ -1,0 +1,249 @@
+"""The run, model, environment and rollout sections."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from gyre.config.base import (
+    _DEVICE_RE,
+    SEED_LIMIT,
+    THREADS_PER_CORE,
+    _Section,
+)
+from gyre.config.rewards import SandboxConfig
+
+
+class RunConfig(_Section):
+    dir: str = Field("", description="Run directory; empty means runs/<env>-<timestamp>.")
+    seed: int = Field(
+        0,
+        ge=0,
+        lt=SEED_LIMIT,
+        description="Master seed for model init, data order and sampling, in [0, 2**32).",
+    )
+    resume: str = Field(
+        "never",
+        description="'auto' resumes from the newest checkpoint in run.dir, 'never' starts fresh, "
+        "or a checkpoint path.",
+    )
+    device: str = Field(
+        "cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1', 'mps' or 'auto'."
+    )
+    threads: int = Field(
+        0, ge=0, description="Torch intra-op threads; 0 uses every core; at most 4 x the cores."
+    )
+    overwrite: bool = Field(
+        False,
+        description="With run.resume=never, delete an earlier run in run.dir instead of refusing.",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not _DEVICE_RE.match(v):
+            raise ValueError("use 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'")
+        return v
+
+    @field_validator("threads")
+    @classmethod
+    def _check_threads(cls, v: int) -> int:
+        most = THREADS_PER_CORE * (os.cpu_count() or 1)
+        if v > most:
+            raise ValueError(f"at most {THREADS_PER_CORE} x the {os.cpu_count()} cores = {most}")
+        return v
+
+
+class LoraConfig(_Section):
+    rank: int = Field(8, gt=0, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | str = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names to adapt (peft target_modules), or 'all-linear'.",
+    )
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        "", description="Local Hugging Face causal-LM folder; empty builds the tiny default."
+    )
+    hidden_size: int = Field(128, gt=0, description="Tiny default: hidden width.")
+    num_layers: int = Field(4, gt=0, description="Tiny default: transformer layers.")
+    num_heads: int = Field(4, gt=0, description="Tiny default: attention heads.")
+    intermediate_size: int = Field(384, gt=0, description="Tiny default: MLP width.")
+    max_positions: int = Field(1024, gt=0, description="Tiny default: longest context in tokens.")
+    lora: LoraConfig | None = Field(
+        None, description="LoRA adapter training (peft); null trains every weight."
+    )
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        # The tiny default's attention splits hidden_size into num_heads heads of an even width
+        # (rotary embeddings rotate pairs); HF would refuse it later with a traceback.
+        if not self.path and self.hidden_size % (2 * self.num_heads):
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} must be a multiple of 2 x "
+                f"model.num_heads={self.num_heads} (each head's width must be even)"
+            )
+        return self
+
+
+class MazeConfig(_Section):
+    size: int = Field(5, ge=5, description="Maze side length in cells (at least 5).")
+    wall_density: float = Field(
+        0.3, ge=0.0, lt=0.7, description="Fraction of cells that are walls."
+    )
+    min_distance: int = Field(
+        4, ge=4, description="Shortest start-to-goal path, in moves, is at least this."
+    )
+    budget_factor: float = Field(
+        2.0, ge=1.0, le=2.0, description="Move budget = floor(factor * shortest path), at most 2x."
+    )
+    observation: Literal["compass", "exits", "window", "grid"] = Field(
+        "compass",
+        description="compass: grid once, then neighbours + goal offset; exits: grid once, then "
+        "the open moves + goal offset; window: a local square; grid: the whole grid every turn.",
+    )
+    view: int = Field(
+        1,
+        ge=1,
+        description="View radius: compass cells within this many moves; exits looks 1 or 2"
+        " moves ahead; window half-width.",
+    )
+
+    @model_validator(mode="after")
+    def _check_reachable(self) -> MazeConfig:
+        far = 2 * (self.size - 1)
+        if self.min_distance > far:
+            raise ValueError(
+                f"env.maze.min_distance={self.min_distance} cannot be drawn in a maze of "
+                f"env.maze.size={self.size}: corner to corner is {far} moves"
+            )
+        return self
+
+
+class ArithmeticConfig(_Section):
+    max_operand: int = Field(99, gt=0, description="Operands are drawn from [0, max_operand].")
+    ops: str = Field("+-", min_length=1, description="Operators to draw from, e.g. '+-*'.")
+
+
+class DatasetConfig(_Section):
+    path: str = Field(
+        "", description='JSONL file, one task a line: {"prompt": ..., "answer": ..., ...}.'
+    )
+    prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
+    answer_field: str = Field(
+        "answer", min_length=1, description="Row key holding the reference answer."
+    )
+    eval_rows: int = Field(
+        0, ge=0, description="Last N rows are held out for evaluation; 0 evaluates on all rows."
+    )
+
+
+BUILTIN_ENVS = ("maze", "arithmetic", "dataset")
+
+
+class EnvConfig(_Section):
+    name: str = Field(
+        "maze",
+        description="A built-in env (maze, arithmetic, dataset), a name given to "
+        "gyre.envs.register, an import path 'module:Class' or a file path 'envs.py:Class' "
+        "(docs/envs.md).",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of a plug-in env's class or factory (built-in envs "
+        "take their own sections instead).",
+    )
+    maze: MazeConfig = Field(default_factory=MazeConfig, description="Maze settings.")
+    arithmetic: ArithmeticConfig = Field(
+        default_factory=ArithmeticConfig, description="Arithmetic settings."
+    )
+    dataset: DatasetConfig = Field(
+        default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _env_name(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("empty; give a built-in env, a registered name or 'module:Class'")
+        mod, sep, attr = v.rpartition(":")
+        if sep and (not mod.strip() or not attr.strip()):
+            raise ValueError(f"expected 'module:Class' or 'file.py:Class', got {v!r}")
+        from gyre.plugins import ENV_REGISTRY
+
+        if not sep and v not in BUILTIN_ENVS and v not in ENV_REGISTRY:
+            raise ValueError(
+                f"unknown env; valid: {', '.join([*BUILTIN_ENVS, *sorted(ENV_REGISTRY)])}, a "
+                "name given to gyre.envs.register, 'module:Class' or 'file.py:Class'"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _kwargs_for_plugins(self) -> EnvConfig:
+        if self.kwargs and self.name in BUILTIN_ENVS:
+            raise ValueError(
+                f"env.kwargs is for plug-in envs; the built-in env {self.name!r} takes "
+                f"env.{self.name}.* settings"
+            )
+        return self
+
+
+class RolloutConfig(_Section):
+    """Where a turn ends, and message-mode rollouts: chat templates, tool calls, limits
+    (docs/envs.md)."""
+
+    stop_tokens: list[str] = Field(
+        default_factory=list,
+        description="Tokens that end a turn, each one token of the tokenizer (e.g. "
+        "'<|im_end|>'); empty = derived: the chat template's end-of-turn token, EOS, and the "
+        "newline where it is one token.",
+    )
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="Texts that end a turn: the action is cut after the token whose decoded "
+        "text first contains one; empty = derived: '\\n' where the newline is a stop token.",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools offered to the model in message mode: built-in names (calculator, "
+        "python) or 'module:attr' import paths of a gyre.rollout.tools.Tool.",
+    )
+    tool_parser: str = Field(
+        "hermes",
+        description="How tool calls are read from the model's text (gyre.rollout.tools "
+        "PARSERS; hermes: <tool_call>{json}</tool_call>, Qwen's format).",
+    )
+    stepwise: bool = Field(
+        False,
+        description="Message mode: every assistant turn is its own training sample whose prompt "
+        "is the template's rendering at that turn; turns share their episode's advantage.",
+    )
+    max_turns: int = Field(
+        16, gt=0, description="Message mode: most assistant turns per episode (then truncated)."
+    )
+    max_tool_calls: int = Field(
+        8, ge=0, description="Message mode: most tool calls per episode; later ones get an error."
+    )
+    max_context_tokens: int = Field(
+        0,
+        ge=0,
+        description="Message mode: an episode whose tokens would pass this ends as truncated "
+        "(rollout/truncated_context); 0: no limit.",
+    )
+    tool_output_chars: int = Field(
+        2000, gt=0, description="Longest tool result text given back to the model (cut after)."
+    )
+    python: SandboxConfig = Field(
+        default_factory=lambda: SandboxConfig(timeout_s=5.0, memory_mb=512, workers=1),
+        description="Sandbox of the python tool (time, memory, network; gyre.rewards.sandbox).",
+    )
