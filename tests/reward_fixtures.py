@@ -87,7 +87,13 @@ NOT_CALLABLE = 3
 
 # -- misbehaving rewards for the sandbox: they misbehave only where ``when`` says so -----------
 def _bad(group_id: list[int], when: str) -> bool:
-    return when == "always" or (when == "group0" and group_id[0] == 0)
+    """``always``; ``group0``: the task of group id 0; ``even``: tasks of even id (group ids are
+    the run's task indices, so with 2 tasks a step that is each step's first task)."""
+    return (
+        when == "always"
+        or (when == "group0" and group_id[0] == 0)
+        or (when == "even" and group_id[0] % 2 == 0)
+    )
 
 
 def sleeper(prompts, completions, group_id, when="always", seconds=600.0, **kw):

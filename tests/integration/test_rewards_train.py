@@ -106,7 +106,7 @@ def listener():
 
 
 def _misbehaving(port: int, max_frac: float) -> dict:
-    bad = {"when": "group0"}  # every sample of the step's first task misbehaves
+    bad = {"when": "even"}  # every sample of the step's first task (of 2) misbehaves
     return {
         "functions": [
             {"fn": "reward_fixtures:sleeper", "sandbox": True, "kwargs": bad},

@@ -85,13 +85,14 @@ def create_tiny_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int) -> 
     return out
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' picks cuda when available; anything else is passed to torch as given."""
+def resolve_device(name: str, key: str = "run.device") -> torch.device:
+    """'auto' picks cuda when available; anything else is passed to torch as given (``key``:
+    the config field the name came from, for the error)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"run.device={name!r} but CUDA is not available on this machine")
+        raise ValueError(f"{key}={name!r} but CUDA is not available on this machine")
     return dev
 
 

@@ -28,17 +28,6 @@ _CACHE: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 _LOCK = threading.Lock()
 
 
-def _resolve_device(device: str) -> Any:
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"reward_model: device {device!r} asked for, but CUDA is not available")
-    return dev
-
-
 def load_reward_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer) for a local folder, cached; errors name the path."""
     import torch
@@ -48,7 +37,9 @@ def load_reward_model(path: str, device: str = "cpu", dtype: str = "float32") ->
     with _LOCK:
         if key in _CACHE:
             return _CACHE[key]
-        dev = _resolve_device(device)
+        from gyre.models.build import resolve_device
+
+        dev = resolve_device(device, key="reward_model device")
         try:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
             model = AutoModelForSequenceClassification.from_pretrained(

@@ -208,14 +208,17 @@ class RayPlacement:
             runtime_env=self._env_vars(r.rollout.num_cpus),
         ).remote(self.cfg, str(self.init_path), i)  # fmt: skip
 
+    def _count_restart(self, role: str, what: str, why: BaseException) -> int:
+        """Count a restart of ``role``; past ``ray.max_<role>_restarts`` the run fails."""
+        key = f"recovery/{role}_restarts"
+        self.counters[key] += 1
+        n, limit = self.counters[key], getattr(self.cfg.ray, f"max_{role}_restarts")
+        if n > limit:
+            raise RuntimeError(f"{what} {n} times (ray.max_{role}_restarts={limit})") from why
+        return n
+
     def _replace_worker(self, i: int, why: BaseException) -> None:
-        self.counters["recovery/rollout_restarts"] += 1
-        n = self.counters["recovery/rollout_restarts"]
-        if n > self.cfg.ray.max_rollout_restarts:
-            raise RuntimeError(
-                f"rollout workers died {n} times "
-                f"(ray.max_rollout_restarts={self.cfg.ray.max_rollout_restarts})"
-            ) from why
+        self._count_restart("rollout", "rollout workers died", why)
         self.out.message(f"rollout worker {i} died ({type(why).__name__}); starting a replacement")
         ray.kill(self.workers[i], no_restart=True)
         self.workers[i] = self._new_worker(i)
@@ -277,13 +280,7 @@ class RayPlacement:
     def _restart_trainers(self, why: BaseException) -> None:
         """A trainer rank died: restart the group from the latest checkpoint and make the loop
         continue from there (:class:`gyre.loop.RolledBack`)."""
-        self.counters["recovery/trainer_restarts"] += 1
-        n = self.counters["recovery/trainer_restarts"]
-        if n > self.cfg.ray.max_trainer_restarts:
-            raise RuntimeError(
-                f"the trainer group failed {n} times "
-                f"(ray.max_trainer_restarts={self.cfg.ray.max_trainer_restarts})"
-            ) from why
+        n = self._count_restart("trainer", "the trainer group failed", why)
         for t in self.trainers:
             ray.kill(t, no_restart=True)
         found = list_checkpoints(self.run_dir)
