@@ -103,6 +103,11 @@ def run_episodes(
     has one; otherwise (or off) turns are batched in lockstep.
     ``chat``: the envs are message-mode ones, rendered by a chat template
     (:mod:`gyre.rollout.chat`; the marked ``message mode`` lines below are its whole hook).
+
+    Why one long function: the per-episode arrays (ids, masks, log-probs, turn spans) are shared
+    by the reset, the turn callback and the trajectory assembly, and both batching modes drive
+    the same callback; an ``_Episodes`` state class would cut it up without hiding any of that.
+    It is the next refactor (session-7 note).
     """
     t0 = time.perf_counter()
     n = len(task_seeds) * group_size
