@@ -312,6 +312,9 @@ def test_wall_blocks_move_and_counts():
     assert env.pos == start
     assert env.moves == 1
     assert reward == 0.0 and not done and not info["malformed"]
+    assert info["bumps"] == 1  # counted as a bump; a malformed or a free move is not
+    _, _, _, info = env.step("jump")
+    assert info["bumps"] == 1 and info["malformed"]
 
 
 def test_free_move_changes_position():
@@ -324,8 +327,8 @@ def test_free_move_changes_position():
     seed, move = _find(free, env)
     env.reset(seed)
     target = _target(env, move)
-    env.step(move)
-    assert env.pos == target and env.moves == 1
+    _, _, _, info = env.step(move)
+    assert env.pos == target and env.moves == 1 and info["bumps"] == 0
 
 
 @pytest.mark.parametrize(("word", "letter"), [("up", "u"), ("LEFT", "l"), (" Down ", "d")])
@@ -432,3 +435,23 @@ def test_compass_offsets_rings():
     env.reset(3)
     view = env.step("jump")[0]
     assert len(view) == 12 + 4 + 1 and view.endswith(">")
+
+
+def test_evaluation_reports_the_bump_fraction(tokenizer):
+    """``eval/bump_frac_greedy`` = wall bumps / moves over the evaluated episodes, checked by
+    replaying the same always-"u" policy by hand."""
+    from chat_helpers import ScriptedEngine
+    from gyre.rollout.evaluate import eval_seeds, evaluate
+
+    nl = tokenizer.convert_tokens_to_ids("\n")
+    engine = ScriptedEngine(tokenizer, ["u"], nl)
+    m = evaluate(engine, MazeEnv, tokenizer, 20, 1.0, 4, sampled=False)
+    bumps = moves = 0
+    for seed in eval_seeds(20):
+        env, done = MazeEnv(), False
+        env.reset(seed)
+        while not done:
+            _, _, done, info = env.step("u")
+        bumps, moves = bumps + info["bumps"], moves + info["moves"]
+    assert 0 < bumps < moves
+    assert m["eval/bump_frac_greedy"] == pytest.approx(bumps / moves)

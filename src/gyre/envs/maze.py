@@ -141,7 +141,7 @@ class MazeEnv:
         self.visited: set[tuple[int, int]] = set()
         self.walls = np.zeros((size, size), dtype=bool)
         self.pos = self.start = self.goal = (0, 0)
-        self.shortest = self.budget = self.moves = 0
+        self.shortest = self.budget = self.moves = self.bumps = 0
         self.done = True
         self._dist = np.zeros((size, size), dtype=np.int64)
 
@@ -173,7 +173,7 @@ class MazeEnv:
         self.generate(seed)
         self.pos = self.start
         self.visited = {self.start}
-        self.moves = 0
+        self.moves = self.bumps = 0
         self.done = False
         return self.render(first=True)
 
@@ -188,6 +188,8 @@ class MazeEnv:
             if 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]:
                 self.pos = (r, c)
                 self.visited.add(self.pos)
+            else:
+                self.bumps += 1
         success = self.pos == self.goal
         self.done = success or self.moves >= self.budget
         info = {
@@ -196,6 +198,7 @@ class MazeEnv:
             "shortest": self.shortest,
             "budget": self.budget,
             "malformed": move is None,
+            "bumps": self.bumps,  # moves so far into a wall or off the grid (well-formed ones)
             "state": self.state_key(),
         }
         return self.render(), (1.0 if success else 0.0), self.done, info

@@ -89,4 +89,7 @@ def evaluate(
         )
         out[f"{split}/success_{name}"] = float(np.mean([t.success for t in trajs]))
         out[f"{split}/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
+        if trajs and all("bumps" in t.info for t in trajs):  # envs that count wall bumps (maze)
+            bumps = sum(int(t.info["bumps"]) for t in trajs)
+            out[f"{split}/bump_frac_{name}"] = bumps / max(1, sum(t.num_turns for t in trajs))
     return out
