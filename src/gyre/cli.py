@@ -235,7 +235,12 @@ def _run(argv: list[str]) -> int:
         from gyre.runners import train
 
         s = train(cfg)
-        console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
+        rows = [("demonstrator", s["demonstrator"])] if s.get("demonstrator") else []
+        rows += [("before GRPO", s["before"]), ("after GRPO", s["after"])]
+        if s.get("selected") and s["selected"]["step"] != s["steps"]:
+            rows[-1] = (f"after GRPO (step {s['selected']['step']}, by validation)", s["after"])
+            rows.append(("last step", s["last"]))
+        console.print(_table(rows))
         console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
     elif ns.command == "sft":
         run_dir, device = loop.setup(cfg)

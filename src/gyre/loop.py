@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gyre.checkpoint.files import write_file_atomically
+from gyre.checkpoint.files import replace_dir_atomically, write_file_atomically
 from gyre.checkpoint.resume import (
     Checkpointer,
     ResumePlan,
@@ -42,9 +42,11 @@ from gyre.checkpoint.resume import (
 )
 from gyre.checkpoint.snapshot import seed_everything
 from gyre.config import Config, dump_config, resolve_run_dir
+from gyre.envs import env_factory
 from gyre.errors import ensure_writable_dir
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_device
 from gyre.rollout.core import rollout_metrics
+from gyre.rollout.evaluate import demonstrator_success
 from gyre.telemetry import MetricsSink, timed
 from gyre.telemetry.factory import Telemetry, build_telemetry
 from gyre.telemetry.signal import NoSignalWatch
@@ -165,6 +167,7 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
             placement.start(run_dir, policy, ref, plan, out, ckpt)
             state = _steps(cfg, placement, out, plan, run_dir, guard)
             placement.write_final(run_dir / "final")
+            selected = _select_final(cfg, state, run_dir)
     finally:
         if out is not None:
             out.close()
@@ -176,7 +179,10 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
         "steps": cfg.train.steps,
         "sft_steps": cfg.sft.steps,
         "before": state["evals"]["before"],
-        "after": state["evals"]["after"],
+        "after": selected["eval"] if selected else state["evals"]["after"],
+        "last": state["evals"]["after"],
+        "selected": selected,
+        "demonstrator": demonstrator_success(env_factory(cfg.env), cfg.eval.episodes),
         "faults": state["faults"],
         "checkpoints": ckpt.summary(),
         "wall_s": time.perf_counter() - t_start,
@@ -201,6 +207,7 @@ def _steps(
 
     if "before" not in state["evals"]:
         state["evals"]["before"] = placement.evaluate()
+        _keep_best(cfg, placement, state, 0, state["evals"]["before"], run_dir)
         out.log(state["step"], dict(state["evals"]["before"]))
     step, last = state["step"], cfg.train.steps
     no_signal = NoSignalWatch(cfg.log.no_signal_steps)
@@ -228,6 +235,7 @@ def _steps(
         if cfg.eval.every and step % cfg.eval.every == 0 and step != last:
             with timed(m, "time/eval_s"):
                 m.update(placement.evaluate())
+                _keep_best(cfg, placement, state, step, m, run_dir)
         out.log(step, m)
         check_nonfinite(cfg, state["faults"]["nonfinite_streak"], "GRPO", step)
         check_failures(cfg, state["faults"]["failed_episodes"], state["faults"]["episodes"], step)
@@ -245,6 +253,7 @@ def _steps(
     if not (state["step"] >= last and state["evals"].get("after_step") == last):
         state["evals"]["after"] = placement.evaluate()
         state["evals"]["after_step"] = last
+        _keep_best(cfg, placement, state, last, state["evals"]["after"], run_dir)
         out.log(last, dict(state["evals"]["after"]))
         # The end state (after-eval included) is a checkpoint too: a relaunch of a finished
         # run neither repeats the evaluation nor logs it twice.
@@ -258,7 +267,38 @@ def _loop_state(saved: dict[str, Any]) -> dict[str, Any]:
     faults = {"nonfinite_streak": 0, "nonfinite_steps": 0, "failed_episodes": 0, "episodes": 0}
     faults.update(saved.get("faults", {}))
     return {"step": int(saved.get("step", 0)), "evals": dict(saved.get("evals", {})),
-            "faults": faults}  # fmt: skip
+            "faults": faults, "best": saved.get("best")}  # fmt: skip
+
+
+def _keep_best(
+    cfg: Config, placement: Placement, state: dict[str, Any], step: int, m: dict[str, float],
+    run_dir: Path,
+) -> None:  # fmt: skip
+    """``eval.select=val``: after an evaluation whose validation greedy success beats every
+    earlier one, write the weights to ``<run.dir>/best`` and remember the step, its validation
+    score and its held-out metrics (reported, never compared)."""
+    if cfg.eval.select != "val":
+        return
+    score = m["val/success_greedy"]
+    best = state.get("best")
+    if best is None or score > best["val"]:
+        placement.write_final(run_dir / "best")
+        held_out = {k: v for k, v in m.items() if k.startswith("eval/")}
+        state["best"] = {"step": step, "val": score, "eval": held_out}
+
+
+def _select_final(cfg: Config, state: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+    """``eval.select=val``: ``final/`` becomes the best-validation weights (``best/``) when
+    they are not the last ones; returns the selection (step, validation score, held-out)."""
+    best = state.get("best")
+    if cfg.eval.select != "val" or best is None:
+        return None
+    if best["step"] != cfg.train.steps:
+        stage = run_dir / ".tmp_final_selected"
+        shutil.rmtree(stage, ignore_errors=True)
+        shutil.copytree(run_dir / "best", stage)
+        replace_dir_atomically(stage, run_dir / "final")
+    return dict(best)
 
 
 def _count_faults(faults: dict[str, int], m: dict[str, float], episodes: int) -> None:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import (
     Field,
     field_validator,
+    model_validator,
 )
 
 from gyre.config.base import (
@@ -27,6 +28,21 @@ class EvalConfig(_Section):
     )
     every: int = Field(20, ge=0, description="Evaluate every N GRPO steps; 0 only before/after.")
     sampled: bool = Field(True, description="Also report sampled (temperature) success.")
+    select: Literal["last", "val"] = Field(
+        "last",
+        description="final/: the last weights, or (val) those of the evaluation (before GRPO, "
+        "every eval.every steps, last) with the best validation greedy success; needs "
+        "eval.validation_episodes > 0. Held-out results are never used to choose.",
+    )
+
+    @model_validator(mode="after")
+    def _check_select(self) -> EvalConfig:
+        if self.select == "val" and self.validation_episodes == 0:
+            raise ValueError(
+                "eval.select=val chooses final/ by validation success: set "
+                "eval.validation_episodes > 0"
+            )
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -117,6 +117,12 @@ class MazeConfig(_Section):
         description="View radius: compass cells within this many moves; exits looks 1 or 2"
         " moves ahead; window half-width.",
     )
+    demonstrator: Literal["shortest", "greedy"] = Field(
+        "shortest",
+        description="SFT demonstrator: shortest = a move along a shortest path (solves every "
+        "maze); greedy = the legal move that brings the agent closest to the goal (never bumps, "
+        "but ignores dead ends and visited cells).",
+    )
 
     @model_validator(mode="after")
     def _check_reachable(self) -> MazeConfig:

@@ -55,8 +55,9 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
     if cfg.name == "maze":
         m = cfg.maze
         return lambda: MazeEnv(
-            m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation
-        )
+            m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation,
+            demonstrator=m.demonstrator,
+        )  # fmt: skip
     if cfg.name == "arithmetic":
         a = cfg.arithmetic
         return lambda: ArithmeticEnv(a.max_operand, a.ops)

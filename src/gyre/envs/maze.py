@@ -69,6 +69,7 @@ from gyre.config import ConfigError
 MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
 OBSERVATIONS = ("compass", "exits", "window", "grid")
+DEMONSTRATORS = ("shortest", "greedy")
 
 
 def parse_action(text: str) -> str | None:
@@ -119,6 +120,7 @@ class MazeEnv:
         budget_factor: float = 2.0,
         view: int = 1,
         observation: str = "compass",
+        demonstrator: str = "shortest",
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -136,8 +138,13 @@ class MazeEnv:
             raise ValueError(
                 f"the exits observation looks one or two moves ahead (view=1 or 2), got view={view}"
             )
+        if demonstrator not in DEMONSTRATORS:
+            raise ValueError(
+                f"maze demonstrator must be one of {', '.join(DEMONSTRATORS)}, got {demonstrator!r}"
+            )
         self.view = view
         self.observation = observation
+        self.demonstrator = demonstrator
         self.visited: set[tuple[int, int]] = set()
         self.walls = np.zeros((size, size), dtype=bool)
         self.pos = self.start = self.goal = (0, 0)
@@ -269,8 +276,14 @@ class MazeEnv:
 
     # -- demonstrations -------------------------------------------------------------------------
     def expert_action(self, rng: np.random.Generator) -> str:
-        """A move along a shortest path. Ties go to the move that also shrinks the larger of
-        the row/column offsets to the goal, then to the order u, d, l, r (deterministic)."""
+        """The demonstrator's move (``demonstrator=``).
+
+        ``shortest``: a move along a shortest path. Ties go to the move that also shrinks the
+        larger of the row/column offsets to the goal, then to the order u, d, l, r
+        (deterministic). ``greedy``: :meth:`greedy_action`.
+        """
+        if self.demonstrator == "greedy":
+            return self.greedy_action()
         here = self._dist[self.pos]
         gr, gc = self.goal
         best = []
@@ -280,6 +293,18 @@ class MazeEnv:
                 if self._dist[r, c] == here - 1:
                     best.append((max(abs(gr - r), abs(gc - c)), "udlr".index(name), name))
         return min(best)[2]
+
+    def greedy_action(self) -> str:
+        """The legal move whose cell is closest to the goal in Manhattan distance (ties: the
+        order u, d, l, r). It never walks into a wall, but it does not know dead ends or the
+        cells it has visited, so it can shuttle between two cells until the budget is spent."""
+        gr, gc = self.goal
+        best = []
+        for name, (dr, dc) in MOVES.items():
+            r, c = self.pos[0] + dr, self.pos[1] + dc
+            if 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]:
+                best.append((abs(gr - r) + abs(gc - c), "udlr".index(name), name))
+        return min(best)[2] if best else "u"  # boxed in: every move is a bump
 
     def random_action(self, rng: np.random.Generator) -> str:
         return str(rng.choice(list(MOVES)))

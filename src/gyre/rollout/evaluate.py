@@ -12,6 +12,7 @@ so no held-out or validation task is ever trained on, and a choice made on valid
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -23,6 +24,8 @@ from gyre.rollout.chat import ChatMode
 from gyre.rollout.episodes import run_episodes
 from gyre.rollout.stops import Stops, derive_stops
 from gyre.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 EVAL_SEED_BASE = 2**31
 VAL_SEED_BASE = 2**32
@@ -93,3 +96,29 @@ def evaluate(
             bumps = sum(int(t.info["bumps"]) for t in trajs)
             out[f"{split}/bump_frac_{name}"] = bumps / max(1, sum(t.num_turns for t in trajs))
     return out
+
+
+def demonstrator_success(make_env: Callable[[], Env], episodes: int) -> dict[str, float] | None:
+    """The env's own demonstrator (``expert_action``, no noise) on the held-out seeds: the
+    before/after table's reference line; None for an env without one. Pure env code, no model.
+    """
+    from gyre.envs.base import Demonstrator
+
+    if episodes == 0 or not isinstance(make_env(), Demonstrator):
+        return None
+    rng = np.random.default_rng(0)  # unused by deterministic demonstrators (the maze's)
+    wins, moves = [], []
+    for seed in eval_seeds(episodes):
+        env = make_env()
+        done, info, turns = False, {}, 0
+        try:
+            env.reset(seed)
+            while not done and turns < 10_000:  # an env that never ends is no demonstration
+                _, _, done, info = env.step(env.expert_action(rng))  # type: ignore[attr-defined]
+                turns += 1
+        except Exception as exc:  # a reference line, never a reason to lose a finished run
+            log.warning("demonstrator evaluation skipped: seed %d raised %r", seed, exc)
+            return None
+        wins.append(bool(info.get("success", False)))
+        moves.append(turns)
+    return {"eval/success_greedy": float(np.mean(wins)), "eval/moves_greedy": float(np.mean(moves))}
