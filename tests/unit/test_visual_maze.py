@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import importlib
 import io
+import sys
 
 import numpy as np
 import pytest
@@ -229,9 +231,12 @@ def test_default_image_needs_no_resize_by_qwen_vl_processors():
 # -- gymnasium ----------------------------------------------------------------------------------
 def test_gymnasium_registration():
     gym = pytest.importorskip("gymnasium")
+    from gymnasium.utils.env_checker import check_env
+
     import gyre.envs.gym_visual as gv
 
     env = gym.make("gyre/VisualMaze-v0", render_mode="rgb_array")
+    check_env(env.unwrapped, skip_render_check=False)  # gymnasium's own API conformance checks
     assert env.observation_space.shape == (84, 84, 3) and env.action_space.n == 4
     obs, info = env.reset(seed=5)
     visual = VisualMazeEnv()
@@ -254,6 +259,13 @@ def test_gymnasium_registration():
     assert via_module.observation_space.shape == (96, 96, 3)
     with pytest.raises(ValueError, match="Discrete"):
         env.unwrapped.step(4)
+
+
+def test_gymnasium_missing_says_which_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "gyre.envs.gym_visual", raising=False)
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # as if the extra were not installed
+    with pytest.raises(ImportError, match=r"pip install 'gyre\[gymnasium\]'"):
+        importlib.import_module("gyre.envs.gym_visual")
 
 
 # -- frame strips ---------------------------------------------------------------------------------
@@ -337,3 +349,31 @@ def test_an_episode_renders_through_the_chat_rollout_with_a_vision_template():
     assert ep.text.count("<|image_pad|>") == turns == len(message_images(ep.conv))
     for t in [env.intro(), *texts]:
         assert f"<|vision_start|><|image_pad|><|vision_end|>{t}<|im_end|>" in ep.text
+
+
+def test_run_episodes_plays_the_visual_maze_in_message_mode():
+    """gyre's rollout (run_episodes, message mode) with the expert's replies scripted: every
+    episode reaches the goal in the shortest number of moves, as the text maze says it must."""
+    from chat_helpers import ScriptedEngine, build_chat_tokenizer
+    from gyre.rollout.chat import ChatMode, ChatTemplate
+    from gyre.rollout.episodes import run_episodes
+    from gyre.types import SamplingParams
+
+    tok = build_chat_tokenizer("chatml")
+    tok.chat_template = QWEN2_VL_TEMPLATE
+    tpl = ChatTemplate(tok)
+    make, seed = _make(), 11
+    text_maze = MazeEnv()
+    expert = [a for a, *_ in _play(text_maze, seed, noise=0.0, rng_seed=0)]
+    goal = text_maze.goal
+    assert len(expert) == text_maze.shortest
+    engine = ScriptedEngine(tok, expert, tpl.end_id)
+    trajs = run_episodes(make, engine, tok, [seed], 2, SamplingParams(), chat=ChatMode(tpl))
+    assert len(trajs) == 2
+    for t in trajs:
+        assert t.success and t.reward == 1.0 and t.num_turns == len(expert)
+        assert t.info["state"] == goal  # the GiGPO key of the last move: the goal's cell
+        text = tok.decode(t.token_ids)
+        assert text.count("<|image_pad|>") == len(expert)  # one image per observation shown
+        sampled = [i for i, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
+        assert tok.decode(sampled) == "<|im_end|>".join(expert) + "<|im_end|>"
