@@ -154,6 +154,17 @@ def test_grid_lines_leave_cell_centres_alone():
 
 
 # -- the rules are the text maze's ----------------------------------------------------------------
+def test_every_maze_setting_reaches_the_inner_maze():
+    overrides = ["env.maze.size=7", "env.maze.wall_density=0.2", "env.maze.min_distance=6"]
+    overrides += ["env.maze.budget_factor=1.5", "env.maze.view=2", "env.maze.observation=exits"]
+    visual = _make(*overrides)()
+    text = env_factory(load_config(None, ["env.name=maze", *overrides]).env)()
+    fields = load_config(None, overrides).env.maze.model_dump()
+    assert fields["size"] == 7 and fields["observation"] == "exits"
+    for name in fields:  # each env.maze.* field is a MazeEnv attribute of the same name
+        assert getattr(visual.maze, name) == getattr(text, name) == fields[name], name
+
+
 def test_same_moves_same_rewards_as_the_text_maze():
     cfg = load_config(
         None, ["env.name=visual_maze", "env.maze.size=6", "env.maze.budget_factor=1.5"]

@@ -21,9 +21,9 @@ def image_env_factory(cfg: EnvConfig) -> Callable[[], MessageEnv]:
         m, v = cfg.maze, cfg.visual_maze
 
         def make_visual_maze() -> VisualMazeEnv:
-            maze = MazeEnv(
-                m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation
-            )
+            # every env.maze.* field is a MazeEnv argument of the same name: the rules stay the
+            # text maze's whatever fields the section gains
+            maze = MazeEnv(**m.model_dump())
             return VisualMazeEnv(
                 maze,
                 v.cell_px,
