@@ -67,6 +67,7 @@ from gyre.config.train import (
     SFTConfig,
     TrainConfig,
 )
+from gyre.config.visual import MiniGridConfig, VisualMazeConfig
 
 __all__ = [
     "BUILTIN_ENVS",
@@ -90,6 +91,7 @@ __all__ = [
     "LogConfig",
     "LoraConfig",
     "MazeConfig",
+    "MiniGridConfig",
     "ModelConfig",
     "PerfConfig",
     "RayConfig",
@@ -103,6 +105,7 @@ __all__ = [
     "SandboxConfig",
     "TelemetryConfig",
     "TrainConfig",
+    "VisualMazeConfig",
     "check_ray_config",
     "describe_fields",
     "dump_config",

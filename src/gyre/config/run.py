@@ -18,6 +18,7 @@ from gyre.config.base import (
     _Section,
 )
 from gyre.config.rewards import SandboxConfig
+from gyre.config.visual import MiniGridConfig, VisualMazeConfig
 
 
 class RunConfig(_Section):
@@ -153,14 +154,14 @@ class DatasetConfig(_Section):
     )
 
 
-BUILTIN_ENVS = ("maze", "arithmetic", "dataset")
+BUILTIN_ENVS = ("maze", "arithmetic", "dataset", "visual_maze", "minigrid")
 
 
 class EnvConfig(_Section):
     name: str = Field(
         "maze",
-        description="A built-in env (maze, arithmetic, dataset), a name given to "
-        "gyre.envs.register, an import path 'module:Class' or a file path 'envs.py:Class' "
+        description="A built-in env (maze, arithmetic, dataset, visual_maze, minigrid), a name "
+        "given to gyre.envs.register, an import path 'module:Class' or a file path 'envs.py:Class' "
         "(docs/envs.md).",
     )
     kwargs: dict[str, Any] = Field(
@@ -174,6 +175,13 @@ class EnvConfig(_Section):
     )
     dataset: DatasetConfig = Field(
         default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
+    )
+    visual_maze: VisualMazeConfig = Field(
+        default_factory=VisualMazeConfig,
+        description="Visual maze rendering (the maze itself is env.maze.*).",
+    )
+    minigrid: MiniGridConfig = Field(
+        default_factory=MiniGridConfig, description="MiniGrid adapter settings."
     )
 
     @field_validator("name")

@@ -1,6 +1,7 @@
 """Built-in environments, plug-ins, and the factory that builds them from config.
 
-``env.name`` is a built-in env (``maze``, ``arithmetic``, ``dataset``), a name given to
+``env.name`` is a built-in env (``maze``, ``arithmetic``, ``dataset``, and the image envs
+``visual_maze`` and ``minigrid``: :mod:`gyre.envs.visual`), a name given to
 :func:`register`, an import path ``module:Class`` or a file path ``envs.py:Class``
 (:mod:`gyre.plugins`); a plug-in is called with ``env.kwargs`` for every episode. See
 docs/envs.md.
@@ -16,6 +17,7 @@ from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.base import Demonstrator, Env
 from gyre.envs.dataset import DatasetEnv, load_jsonl_tasks
 from gyre.envs.maze import MazeEnv
+from gyre.envs.visual import image_env_factory
 from gyre.plugins import ENV_REGISTRY, load_object
 
 __all__ = [
@@ -66,6 +68,8 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
         tasks = load_jsonl_tasks(d.path, d.prompt_field, d.answer_field)  # read once, shared
         DatasetEnv(tasks, d.eval_rows, d.path)  # validate eval_rows now, not in the first rollout
         return lambda: DatasetEnv(tasks, d.eval_rows, d.path)
+    if cfg.name in ("visual_maze", "minigrid"):
+        return image_env_factory(cfg)
     return _plugin_factory(cfg)
 
 

@@ -1,0 +1,49 @@
+"""The image envs' factory: ``env.name=visual_maze`` and ``env.name=minigrid`` (docs/vision.md).
+
+Kept apart from :mod:`gyre.envs` so that MiniGrid (an optional extra) is imported only when a
+run names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gyre.config import EnvConfig
+from gyre.envs.base import MessageEnv
+from gyre.envs.maze import MazeEnv
+from gyre.envs.visual_maze import VisualMazeEnv
+
+
+def image_env_factory(cfg: EnvConfig) -> Callable[[], MessageEnv]:
+    """A zero-argument constructor for ``cfg.name`` (``visual_maze`` or ``minigrid``); one env
+    is built now, so a missing extra or a bad env id fails before the first rollout."""
+    if cfg.name == "visual_maze":
+        m, v = cfg.maze, cfg.visual_maze
+
+        def make_visual_maze() -> VisualMazeEnv:
+            # every env.maze.* field is a MazeEnv argument of the same name: the rules stay the
+            # text maze's whatever fields the section gains
+            maze = MazeEnv(**m.model_dump())
+            return VisualMazeEnv(
+                maze,
+                v.cell_px,
+                v.pad_to,
+                v.draw_visited,
+                v.grid_lines,
+                v.feedback,
+                v.text_observation,
+            )
+
+        make_visual_maze()
+        return make_visual_maze
+    if cfg.name == "minigrid":
+        from gyre.envs.minigrid import MiniGridEnv
+
+        g = cfg.minigrid
+
+        def make_minigrid() -> MiniGridEnv:
+            return MiniGridEnv(g.env_id, g.max_steps, g.image, g.tile_size, g.reward)
+
+        make_minigrid()
+        return make_minigrid
+    raise ValueError(f"env.name={cfg.name!r} is not an image env (visual_maze, minigrid)")

@@ -1,0 +1,185 @@
+"""The maze seen as a picture: ``env.name=visual_maze``, a message-mode env with images.
+
+Rules, budget, sparse reward, seeds, demonstrator and GiGPO state key are those of the text maze
+(:mod:`gyre.envs.maze`): this env holds a :class:`~gyre.envs.maze.MazeEnv` (built from
+``env.maze.*``) and passes every move to it, so the two agree move for move on the same seed.
+Only the observation differs: each user message is an RGB image of the grid, then a short text.
+
+The image (``env.visual_maze.*``): the ``size x size`` grid, each cell a ``cell_px`` square,
+row 0 at the top, in the colours of :data:`COLOURS`: walls dark grey, free cells white, visited
+cells light blue (``draw_visited``), the goal green, the agent a red square inset by a quarter of
+a cell (over the goal colour on the final frame). The image is padded with the wall colour at the
+bottom and right to a multiple of ``pad_to`` pixels (outside the grid reads as a wall, as ``#``
+does in the text maze), so that a VLM processor that needs multiples of its merge unit (28 px for
+Qwen2.5-VL: 2x2 patches of 14 px; 32 for Qwen3-VL) takes it without resizing. With the defaults
+(``cell_px=14``, ``pad_to=28``) a 5x5 maze is an 84x84 image: one 14-px patch per cell, 9
+merged tokens.
+
+Messages (HF processor chat-template form)::
+
+    reset: [{"role": "user", "content": [
+               {"type": "image", "image": <PIL.Image.Image>},
+               {"type": "text", "text": "A maze: ... Reach the goal in at most 8 moves. ..."}]}]
+    step:  [{"role": "user", "content": [
+               {"type": "image", "image": <PIL.Image.Image>},
+               {"type": "text", "text": "You moved up. 7 moves left."}]}]
+
+The action format is the text maze's: ``u``/``d``/``l``/``r`` (or the words), one per reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gyre.envs.base import Message
+from gyre.envs.maze import MazeEnv, parse_action
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "wall": (64, 64, 64),
+    "free": (255, 255, 255),
+    "visited": (170, 200, 255),
+    "goal": (0, 170, 0),
+    "agent": (220, 0, 0),
+    "line": (160, 160, 160),
+}
+_NAMES = {"u": "up", "d": "down", "l": "left", "r": "right"}
+
+
+def pil_image(pixels: np.ndarray) -> Any:
+    """An ``(H, W, 3)`` uint8 array as a ``PIL.Image.Image`` (Pillow: the ``vision`` extra)."""
+    try:
+        from PIL import Image
+    except ImportError as exc:  # pragma: no cover - Pillow ships with the test extras
+        raise ImportError(
+            "image envs need Pillow: pip install 'gyre[vision]' (or pip install pillow)"
+        ) from exc
+    return Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8), mode="RGB")
+
+
+def render_maze(
+    maze: MazeEnv,
+    cell_px: int = 14,
+    pad_to: int = 28,
+    draw_visited: bool = True,
+    grid_lines: bool = False,
+) -> np.ndarray:
+    """The maze's current state as an ``(H, W, 3)`` uint8 image; see the module docstring."""
+    n = maze.size
+    cells = np.empty((n, n, 3), dtype=np.uint8)
+    cells[:] = COLOURS["free"]
+    if draw_visited:
+        for r, c in maze.visited:
+            cells[r, c] = COLOURS["visited"]
+    cells[maze.walls] = COLOURS["wall"]
+    cells[maze.goal] = COLOURS["goal"]
+    # (n, n, 3) -> (n * cell_px, n * cell_px, 3): every cell a solid square
+    img = np.repeat(np.repeat(cells, cell_px, axis=0), cell_px, axis=1)
+    if grid_lines:
+        img[::cell_px, :] = COLOURS["line"]
+        img[:, ::cell_px] = COLOURS["line"]
+    inset = max(1, cell_px // 4) if cell_px >= 4 else 0
+    r0, c0 = maze.pos[0] * cell_px + inset, maze.pos[1] * cell_px + inset
+    img[r0 : r0 + cell_px - 2 * inset, c0 : c0 + cell_px - 2 * inset] = COLOURS["agent"]
+    side = n * cell_px
+    if pad_to > 0 and side % pad_to:
+        full = -(-side // pad_to) * pad_to
+        padded = np.empty((full, full, 3), dtype=np.uint8)
+        padded[:] = COLOURS["wall"]
+        padded[:side, :side] = img
+        img = padded
+    return img
+
+
+class VisualMazeEnv:
+    """The text maze's episode, observed as images (see the module docstring)."""
+
+    message_mode = True
+
+    def __init__(
+        self,
+        maze: MazeEnv | None = None,
+        cell_px: int = 14,
+        pad_to: int = 28,
+        draw_visited: bool = True,
+        grid_lines: bool = False,
+        feedback: bool = True,
+        text_observation: bool = False,
+    ) -> None:
+        if not 2 <= cell_px <= 64:
+            raise ValueError(f"env.visual_maze.cell_px must lie in [2, 64], got {cell_px}")
+        if pad_to < 0:
+            raise ValueError(f"env.visual_maze.pad_to must be >= 0, got {pad_to}")
+        self.maze = maze if maze is not None else MazeEnv()
+        self.cell_px, self.pad_to = cell_px, pad_to
+        self.draw_visited, self.grid_lines = draw_visited, grid_lines
+        self.feedback, self.text_observation = feedback, text_observation
+
+    @property
+    def image_side(self) -> int:
+        """The image's height and width in pixels (fixed for a configuration)."""
+        side = self.maze.size * self.cell_px
+        return -(-side // self.pad_to) * self.pad_to if self.pad_to else side
+
+    def pixels(self) -> np.ndarray:
+        """The current state as an ``(H, W, 3)`` uint8 array."""
+        return render_maze(self.maze, self.cell_px, self.pad_to, self.draw_visited, self.grid_lines)
+
+    def _message(self, text: str, maze_text: str) -> list[Message]:
+        if self.text_observation:
+            text = f"{text}\n{maze_text}"
+        content = [
+            {"type": "image", "image": pil_image(self.pixels())},
+            {"type": "text", "text": text},
+        ]
+        return [{"role": "user", "content": content}]
+
+    def intro(self) -> str:
+        """The opening text: what the colours mean, the budget and the action format."""
+        visited = ", visited cells light blue" if self.draw_visited else ""
+        return (
+            f"A maze: walls dark grey, free cells white{visited}, you the red square, the goal "
+            f"green. Reach the goal in at most {self.maze.budget} moves. Reply with one move: "
+            "u (up), d (down), l (left) or r (right)."
+        )
+
+    def reset(self, seed: int) -> list[Message]:
+        maze_text = self.maze.reset(seed)
+        return self._message(self.intro(), maze_text)
+
+    def step(self, action: str) -> tuple[list[Message], float, bool, dict[str, Any]]:
+        before = self.maze.pos
+        maze_text, reward, done, info = self.maze.step(action)
+        left = self.maze.budget - self.maze.moves
+        if info["success"]:
+            text = "You reached the goal."
+        elif done:
+            text = "Out of moves."
+        else:
+            text = f"{left} moves left." if left != 1 else "1 move left."
+            if self.feedback:
+                text = f"{self._said(action, before)} {text}"
+        return self._message(text, maze_text), reward, done, info
+
+    def _said(self, action: str, before: tuple[int, int]) -> str:
+        move = parse_action(action)
+        if move is None:
+            return "Not a move: reply u, d, l or r."
+        if self.maze.pos == before:
+            return f"A wall {_NAMES[move]}: you did not move."
+        return f"You moved {_NAMES[move]}."
+
+    def state_key(self) -> tuple[int, int]:
+        """The agent's cell (the text maze's key: turn-level credit, GiGPO)."""
+        return self.maze.state_key()
+
+    # -- demonstrations: the text maze's own demonstrator -------------------------------------
+    def expert_action(self, rng: np.random.Generator) -> str:
+        return self.maze.expert_action(rng)
+
+    def random_action(self, rng: np.random.Generator) -> str:
+        return self.maze.random_action(rng)
+
+
+__all__ = ["COLOURS", "VisualMazeEnv", "pil_image", "render_maze"]
