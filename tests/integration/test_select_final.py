@@ -46,7 +46,7 @@ def test_final_is_the_best_validation_evaluation(tmp_path: Path, capsys) -> None
 
 
 def test_select_val_needs_validation_episodes() -> None:
-    with pytest.raises(ConfigError, match="eval.validation_episodes"):
+    with pytest.raises(ConfigError, match=r"eval\.validation_episodes"):
         load_config(None, ["eval.select=val"])
 
 
