@@ -72,7 +72,19 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = Field(
-        "", description="Local Hugging Face causal-LM folder; empty builds the tiny default."
+        "",
+        description="Local Hugging Face folder: a causal LM, or an image-text-to-text VLM (its "
+        "config.json has a vision_config: docs/vision.md); empty builds the tiny default.",
+    )
+    kind: Literal["text", "qwen2_5_vl", "idefics3"] = Field(
+        "text",
+        description="Tiny default (model.path empty): text = the Llama + character tokenizer; "
+        "qwen2_5_vl / idefics3 = a tiny vision-language model (gyre.models.vision_build).",
+    )
+    freeze_vision: bool = Field(
+        True,
+        description="VLMs: the vision tower and projector get no gradient (LoRA never adapts "
+        "them either).",
     )
     hidden_size: int = Field(128, gt=0, description="Tiny default: hidden width.")
     num_layers: int = Field(4, gt=0, description="Tiny default: transformer layers.")
