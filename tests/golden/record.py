@@ -27,25 +27,56 @@ ROOT = HERE.parents[1]
 RUNS: dict[str, tuple[str | None, list[str]]] = {
     "maze": (
         None,
-        ["sft.steps=3", "sft.demos=200", "train.steps=3", "eval.episodes=40", "eval.every=2",
-         "checkpoint.every=2", "checkpoint.sft_every=0", "sft.lr=0.01"],
+        [
+            "sft.steps=3",
+            "sft.demos=200",
+            "train.steps=3",
+            "eval.episodes=40",
+            "eval.every=2",
+            "checkpoint.every=2",
+            "checkpoint.sft_every=0",
+            "sft.lr=0.01",
+        ],
     ),
     "arithmetic": (
         "examples/arithmetic/config.yaml",
-        ["sft.steps=100", "sft.demos=400", "train.steps=5", "eval.episodes=40", "eval.every=2",
-         "checkpoint.every=0", "train.kl_coef=0.01"],
+        [
+            "sft.steps=100",
+            "sft.demos=400",
+            "train.steps=5",
+            "eval.episodes=40",
+            "eval.every=2",
+            "checkpoint.every=0",
+            "train.kl_coef=0.01",
+        ],
     ),
     # beyond the two: the value model (GAE critic), and LoRA with DAPO dynamic sampling
     "arithmetic_gae": (
         "examples/arithmetic/config.yaml",
-        ["sft.steps=100", "sft.demos=400", "train.steps=3", "eval.episodes=20", "eval.every=0",
-         "checkpoint.every=0", "train.algo.advantage=gae"],
+        [
+            "sft.steps=100",
+            "sft.demos=400",
+            "train.steps=3",
+            "eval.episodes=20",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "train.algo.advantage=gae",
+        ],
     ),
     "arithmetic_lora": (
         "examples/arithmetic/config.yaml",
-        ["sft.steps=100", "sft.demos=400", "train.steps=3", "eval.episodes=20", "eval.every=0",
-         "checkpoint.every=0", "model.lora.rank=4", "train.lr=0.003",
-         "train.dapo.dynamic_sampling=true", "train.kl_coef=0.01"],
+        [
+            "sft.steps=100",
+            "sft.demos=400",
+            "train.steps=3",
+            "eval.episodes=20",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "model.lora.rank=4",
+            "train.lr=0.003",
+            "train.dapo.dynamic_sampling=true",
+            "train.kl_coef=0.01",
+        ],
     ),
 }
 _SKIP_PREFIXES = ("time/", "perf/")
@@ -67,9 +98,15 @@ def _metrics(path: Path) -> list[dict[str, Any]]:
     rows = []
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        rows.append({k: _exact(v) for k, v in sorted(row.items())
-                     if not k.startswith(_SKIP_PREFIXES) and not k.endswith("_s")
-                     and k not in ("wall_time", "time")})
+        rows.append(
+            {
+                k: _exact(v)
+                for k, v in sorted(row.items())
+                if not k.startswith(_SKIP_PREFIXES)
+                and not k.endswith("_s")
+                and k not in ("wall_time", "time")
+            }
+        )
     return rows
 
 
@@ -79,8 +116,9 @@ def weights_digest(folder: Path) -> dict[str, str]:
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
         for name, t in sorted(load_file(str(f)).items()):
-            out[name] = hashlib.sha256(t.contiguous().view(-1).view(dtype=__import__("torch").uint8)
-                                       .numpy().tobytes()).hexdigest()[:16]
+            out[name] = hashlib.sha256(
+                t.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes()
+            ).hexdigest()[:16]
     return out
 
 
@@ -90,8 +128,12 @@ def golden_run(name: str, run_dir: Path) -> dict[str, Any]:
     from gyre.cli import main
 
     path, overrides = RUNS[name]
-    args = ["train"] + ([str(ROOT / path)] if path else []) + overrides + [
-        f"run.dir={run_dir}", "run.threads=1", "log.console=off"]
+    args = (
+        ["train"]
+        + ([str(ROOT / path)] if path else [])
+        + overrides
+        + [f"run.dir={run_dir}", "run.threads=1", "log.console=off"]
+    )
     rc = main(args)
     if rc not in (0, None):
         raise RuntimeError(f"golden run {name} exited {rc}")

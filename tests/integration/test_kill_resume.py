@@ -100,8 +100,9 @@ def _signal_at(step_to_signal: int, sig: int = signal.SIGTERM):
 def test_kill9_at_five_moments_is_bit_exact(tmp_path):
     """>= 5 SIGKILLs (one inside a checkpoint write) + a SIGTERM, resumed each time: same
     weights bit for bit, every metrics step exactly once with the same values."""
-    report = verify_resume([*TINY, *ARITH], kills=5, seed=1, workdir=tmp_path, fork=True,
-                           timeout=300)
+    report = verify_resume(
+        [*TINY, *ARITH], kills=5, seed=1, workdir=tmp_path, fork=True, timeout=300
+    )
     assert report.ok, report.summary()
     assert report.kills >= 5
     kinds = [e.kind for e in report.events]
@@ -117,8 +118,16 @@ def test_kill9_at_five_moments_is_bit_exact(tmp_path):
 @pytest.mark.slow
 def test_kill9_resume_exact_long_subprocesses(tmp_path):
     """The long variant: real `python -m gyre.cli` processes, more steps, 8 kills."""
-    args = [*TINY, *ARITH, "sft.steps=40", "sft.demos=64", "checkpoint.sft_every=5",
-            "train.steps=24", "checkpoint.every=2", "checkpoint.keep=3"]
+    args = [
+        *TINY,
+        *ARITH,
+        "sft.steps=40",
+        "sft.demos=64",
+        "checkpoint.sft_every=5",
+        "train.steps=24",
+        "checkpoint.every=2",
+        "checkpoint.keep=3",
+    ]
     report = verify_resume(args, kills=8, seed=3, workdir=tmp_path, timeout=900)
     assert report.ok, report.summary()
     assert report.kills == 8
@@ -266,13 +275,18 @@ def test_explicit_resume_path_and_memory_url(straight, tmp_path):
     """Checkpoints on an fsspec URL (memory://), resumed by an explicit path to one of them."""
     run_dir = tmp_path / "run"
     url = f"memory://gyre-test-{tmp_path.name}"
-    assert _train(run_dir, *ARITH, "train.steps=4", f"checkpoint.dir={url}",
-                  "checkpoint.keep=10") == 0
+    assert (
+        _train(run_dir, *ARITH, "train.steps=4", f"checkpoint.dir={url}", "checkpoint.keep=10") == 0
+    )
     store = CheckpointStore(url)
     assert store.names()[-1] == "step_000004" and not (run_dir / "checkpoints").exists()
     # continue from step 3 explicitly (step 4's lines are dropped and recomputed)
-    assert _train(run_dir, *ARITH, f"checkpoint.dir={url}",
-                  f"run.resume={store.url_of('step_000003')}") == 0
+    assert (
+        _train(
+            run_dir, *ARITH, f"checkpoint.dir={url}", f"run.resume={store.url_of('step_000003')}"
+        )
+        == 0
+    )
     assert compare_runs(straight, run_dir) == []
     store.fs.rm(store.root, recursive=True)
 
@@ -408,8 +422,16 @@ def flaky_env(monkeypatch):
 def test_env_exceptions_counted_logged_and_tolerated(flaky_env, tmp_path, caplog):
     run_dir = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="gyre.rollout.episodes"):
-        assert _train(run_dir, "sft.steps=0", "train.steps=2", "faults.max_failed_fraction=0.5",
-                      "eval.episodes=0") == 0
+        assert (
+            _train(
+                run_dir,
+                "sft.steps=0",
+                "train.steps=2",
+                "faults.max_failed_fraction=0.5",
+                "eval.episodes=0",
+            )
+            == 0
+        )
     recs = [r for r in _lines(run_dir / "metrics.jsonl") if "train/loss" in r]
     assert sum(r["rollout/failed_episodes"] for r in recs) > 0
     assert "reward server exploded" in caplog.text and "Traceback" in caplog.text
