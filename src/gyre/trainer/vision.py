@@ -15,15 +15,14 @@ is scored right-padded, through the Hugging Face forward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from gyre.models.sampling import sampling_logprobs
 
-if TYPE_CHECKING:
-    from gyre.trainer.batch import TokenBatch
+TokenBatch = Any  # gyre.trainer.batch.TokenBatch (which imports this module)
 
 
 def vision_model_inputs(batch: TokenBatch) -> dict[str, Any]:
