@@ -17,7 +17,7 @@ from vision_helpers import ColourEnv, square, tiny_vlm
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "idefics3"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "idefics3"])
 def vlm(request, tmp_path_factory):
     folder = tiny_vlm(request.param, tmp_path_factory.getbasetemp() / "vlms")
     model, tok = load_vlm(folder, CPU)
@@ -65,10 +65,11 @@ def test_tiny_vlms_load_through_the_auto_classes(vlm):
         vision.check(ids, [img, img], "row 0")
 
 
-def test_qwen_positions_equal_get_rope_index(tmp_path_factory):
-    model, tok = load_vlm(tiny_vlm("qwen2_5_vl", tmp_path_factory.getbasetemp() / "vlms"), CPU)
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_positions_equal_get_rope_index(tmp_path_factory, kind):
+    model, tok = load_vlm(tiny_vlm(kind, tmp_path_factory.getbasetemp() / "vlms"), CPU)
     vision = vision_of(tok)
-    a, b = square("red", 1, 32), square("blue", 2, 64)  # two grids: 2x2 and 4x4 tokens
+    a, b = square("red", 1, 32), square("blue", 2, 64)  # two image sizes, two grids
     text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|vision_start|>" \
         "<|image_pad|><|vision_end|>x<|im_end|>\nok"  # fmt: skip
     ids = vision.expand(text, [a, b])

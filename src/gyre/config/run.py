@@ -76,10 +76,11 @@ class ModelConfig(_Section):
         description="Local Hugging Face folder: a causal LM, or an image-text-to-text VLM (its "
         "config.json has a vision_config: docs/vision.md); empty builds the tiny default.",
     )
-    kind: Literal["text", "qwen2_5_vl", "idefics3"] = Field(
+    kind: Literal["text", "qwen2_5_vl", "qwen3_vl", "idefics3"] = Field(
         "text",
         description="Tiny default (model.path empty): text = the Llama + character tokenizer; "
-        "qwen2_5_vl / idefics3 = a tiny vision-language model (gyre.models.vision_build).",
+        "qwen2_5_vl / qwen3_vl / idefics3 = a tiny vision-language model "
+        "(gyre.models.vision_build).",
     )
     freeze_vision: bool = Field(
         True,

@@ -320,13 +320,14 @@ def processor_from_parts(config: Any, tokenizer: Any, image_processor: Any) -> V
                 chat_template=tokenizer.chat_template,
             )
         else:
-            from transformers import Qwen2_5_VLProcessor  # its video processor needs torchvision
+            import transformers  # the Qwen-VL processors' video processor needs torchvision
 
-            processor = Qwen2_5_VLProcessor(
-                image_processor=image_processor,
-                tokenizer=tokenizer,
+            names = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                     "qwen3_vl": "Qwen3VLProcessor"}  # fmt: skip
+            processor = getattr(transformers, names[config.model_type])(
+                image_processor=image_processor, tokenizer=tokenizer,
                 chat_template=tokenizer.chat_template,
-            )
+            )  # fmt: skip
     except (ValueError, TypeError, AttributeError, ImportError) as exc:
         if config.model_type in IDEFICS_TYPES:
             raise

@@ -54,7 +54,7 @@ IDEFICS3_TEMPLATE = (
     "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
-VLMKind = Literal["qwen2_5_vl", "idefics3"]
+VLMKind = Literal["qwen2_5_vl", "qwen3_vl", "idefics3"]
 
 
 def byte_tokenizer(specials: list[str], eos: str, template: str) -> PreTrainedTokenizerFast:
@@ -109,6 +109,43 @@ def _qwen(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     return model, tok, image_processor
 
 
+def _qwen3(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
+    """Qwen3-VL: 16-pixel patches (its native size), 2x2 merge, deepstack on vision layer 0."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tok = byte_tokenizer(QWEN_SPECIALS, "<|im_end|>", QWEN_VL_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+    )  # fmt: skip
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            tie_word_embeddings=True,
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+            num_position_embeddings=64, deepstack_visual_indexes=[0],
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3VLForConditionalGeneration(config)
+    return model, tok, image_processor
+
+
 def _idefics3(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
@@ -145,7 +182,7 @@ def create_tiny_vlm(kind: VLMKind, out_dir: str | Path, seed: int) -> Path:
     Face folder (loaded back by :func:`gyre.models.vision.load_vlm`)."""
     from gyre.models.vision import processor_from_parts
 
-    builders = {"qwen2_5_vl": _qwen, "idefics3": _idefics3}
+    builders = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "idefics3": _idefics3}
     if kind not in builders:
         raise ValueError(f"model.kind={kind!r}: tiny VLMs are {sorted(builders)}")
     model, tok, image_processor = builders[kind](seed)
