@@ -165,3 +165,46 @@ def test_forking_shares_only_prompts_with_the_same_images(tmp_path_factory):
     assert engine.stats["prefill_tokens"] == 3 * len(ids)
     with pytest.raises(ValueError, match="wrong image count"):
         engine.generate([GenerationRequest(ids, images=[a, b])], params)
+
+
+def test_disk_sync_loads_a_saved_vlm_folder(tmp_path, tmp_path_factory):
+    """engine.weight_sync=disk: a VLM folder written with the checkpoint's key names loads."""
+    folder = tiny_vlm("qwen2_5_vl", tmp_path_factory.getbasetemp() / "vlms")
+    model, tok = load_vlm(folder, CPU)
+    other, _ = load_vlm(folder, CPU)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01)
+    other.save_pretrained(tmp_path / "v1")
+    engine = TorchEngine(model, tok.pad_token_id, vision=vision_of(tok))
+    assert engine.load_weights_from_disk(tmp_path / "v1", 1) == 1
+    mine, theirs = engine.model.state_dict(), other.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_stepwise_visual_turns_score_like_the_engine(tmp_path_factory):
+    """rollout.stepwise with images (Idefics3's template is not prefix-stable): every turn's
+    sample carries the images it saw, and the trainer's log-probs match the engine's."""
+    from gyre.trainer.stepwise import expand_steps
+
+    model, tok = load_vlm(tiny_vlm("idefics3", tmp_path_factory.getbasetemp() / "vlms"), CPU)
+    tpl = ChatTemplate(tok)
+    engine = TorchEngine(model, tok.pad_token_id, vision=vision_of(tok))
+    trajs = run_episodes(lambda: ColourEnv(turns=3), engine, tok, [1], 3, _params(tpl),
+                         chat=ChatMode(tpl, stepwise=True))  # fmt: skip
+    rows, _ = expand_steps(trajs)
+    assert len(rows) == sum(t.num_turns for t in trajs)
+    assert sorted({len(r.images) for r in rows}) == [1, 2, 3][: max(t.num_turns for t in trajs)]
+    batch = collate(rows, tok.pad_token_id, CPU, vision_of(tok))
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch, 0.7, 0.9, score_mask=batch.loss_mask)
+    assert float(((lp - batch.rollout_logprobs).abs() * batch.loss_mask).max()) < 1e-4
+
+
+def test_http_engine_refuses_images():
+    from gyre.engines.http_engine import HttpEngine
+
+    engine = HttpEngine(["http://127.0.0.1:9"], model="m")
+    req = GenerationRequest([1, 2], images=[square("red", 0)])
+    with pytest.raises(ValueError, match=r"engine\.kind=http does not send images"):
+        engine.generate([req], SamplingParams())
