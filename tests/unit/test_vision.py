@@ -208,3 +208,10 @@ def test_http_engine_refuses_images():
     req = GenerationRequest([1, 2], images=[square("red", 0)])
     with pytest.raises(ValueError, match=r"engine\.kind=http does not send images"):
         engine.generate([req], SamplingParams())
+
+
+def test_model_kind_with_a_path_is_refused():
+    from gyre.config import load_config
+
+    with pytest.raises(Exception, match=r"model.kind='idefics3' builds a tiny default"):
+        load_config(None, ["model.kind=idefics3", "model.path=/some/folder"])

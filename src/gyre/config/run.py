@@ -100,6 +100,11 @@ class ModelConfig(_Section):
     def _check_heads(self) -> ModelConfig:
         # The tiny default's attention splits hidden_size into num_heads heads of an even width
         # (rotary embeddings rotate pairs); HF would refuse it later with a traceback.
+        if self.path and self.kind != "text":
+            raise ValueError(
+                f"model.kind={self.kind!r} builds a tiny default and cannot be combined with "
+                f"model.path (the folder's config.json says what it is)"
+            )
         if not self.path and self.hidden_size % (2 * self.num_heads):
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} must be a multiple of 2 x "

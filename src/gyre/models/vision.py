@@ -185,10 +185,10 @@ class VisionIO:
         self, fed: Sequence[int], chunk: Sequence[int], images: Sequence[np.ndarray]
     ) -> list[np.ndarray]:
         """The images whose placeholder tokens are in ``chunk`` (fed after ``fed``)."""
-        before = sum(1 for t in fed if t == self.image_token_id)
         inside = sum(1 for t in chunk if t == self.image_token_id)
-        if not inside:
+        if not inside:  # every decode step: never count the whole row
             return []
+        before = sum(1 for t in fed if t == self.image_token_id)
         seen, out = 0, []
         for img in images:
             n = self.num_tokens(img)
