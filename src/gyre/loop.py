@@ -119,7 +119,12 @@ def base_model_path(cfg: Config, run_dir: Path) -> Path:
     if not (init / "config.json").is_file():
         stage = run_dir / ".tmp_init"
         shutil.rmtree(stage, ignore_errors=True)
-        create_tiny_checkpoint(cfg.model, stage, cfg.run.seed)
+        if cfg.model.kind == "text":
+            create_tiny_checkpoint(cfg.model, stage, cfg.run.seed)
+        else:
+            from gyre.models.vision_build import create_tiny_vlm
+
+            create_tiny_vlm(cfg.model.kind, stage, cfg.run.seed)
         stage.rename(init)  # never a half-written init/ after a kill
     return init
 

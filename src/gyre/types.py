@@ -41,6 +41,9 @@ class GenerationRequest:
     stream keyed only by (seed, token index), so the result does not depend on which other
     requests share the batch, on their order, or on batch scheduling. ``None``: the engine draws
     a seed from its own generator (reseeded by ``SamplingParams.seed``)."""
+    images: list[Any] = field(default_factory=list)
+    """A VLM's images (HxWx3 uint8 arrays), one per image placeholder run in ``prompt_ids``,
+    in order (docs/vision.md). Empty for text prompts."""
 
 
 @dataclass
@@ -82,6 +85,10 @@ class Trajectory:
     template rendered that turn, mask 1 on that turn's sampled ids. When set, the trainer trains
     on these instead of ``token_ids`` (each gets this episode's reward, group and advantage;
     ``gyre.trainer.stepwise``); ``token_ids`` stays the whole episode, for rewards and logs."""
+    images: list[Any] = field(default_factory=list)
+    """A VLM episode's images (HxWx3 uint8 arrays), one per run of image tokens in
+    ``token_ids``, in order: with the ids they re-create the exact model inputs (pixel values,
+    grids, positions; :class:`gyre.models.vision.VisionIO`). Empty for text episodes."""
 
     @property
     def num_generated(self) -> int:

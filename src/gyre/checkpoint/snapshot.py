@@ -22,6 +22,7 @@ from gyre.checkpoint.store import (
     check_finite,
     checkpoint_dir,
 )
+from gyre.models.vision import save_tokenizer
 
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.json"
@@ -104,7 +105,7 @@ def save(
 
     def fill(d: Path) -> None:
         model.save_pretrained(d / "model")
-        tokenizer.save_pretrained(d / "model")
+        save_tokenizer(tokenizer, d / "model")  # a VLM's: with its image processor
         torch.save(snap.optimizer.state_dict(), d / "optimizer.pt")
         if snap.scheduler is not None:
             torch.save(snap.scheduler.state_dict(), d / "scheduler.pt")

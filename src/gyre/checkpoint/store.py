@@ -55,6 +55,7 @@ from gyre.checkpoint.files import (
     write_manifest,
 )
 from gyre.errors import disk_full_message, is_disk_full
+from gyre.models.vision import save_tokenizer
 
 log = logging.getLogger("gyre.checkpoint.store")
 
@@ -162,7 +163,7 @@ def write_model_dir(
     try:
         stage.mkdir()
         model.save_pretrained(stage)
-        tokenizer.save_pretrained(stage)
+        save_tokenizer(tokenizer, stage)  # a VLM's: with its image processor
         if trained_on is not None:
             (stage / ENV_RECORD).write_text(json.dumps(trained_on, indent=2, sort_keys=True))
         fault_point("model.write")

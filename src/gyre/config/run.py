@@ -73,7 +73,20 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = Field(
-        "", description="Local Hugging Face causal-LM folder; empty builds the tiny default."
+        "",
+        description="Local Hugging Face folder: a causal LM, or an image-text-to-text VLM (its "
+        "config.json has a vision_config: docs/vision.md); empty builds the tiny default.",
+    )
+    kind: Literal["text", "qwen2_5_vl", "qwen3_vl", "idefics3"] = Field(
+        "text",
+        description="Tiny default (model.path empty): text = the Llama + character tokenizer; "
+        "qwen2_5_vl / qwen3_vl / idefics3 = a tiny vision-language model "
+        "(gyre.models.vision_build).",
+    )
+    freeze_vision: bool = Field(
+        True,
+        description="VLMs: the vision tower and projector get no gradient (LoRA never adapts "
+        "them either).",
     )
     hidden_size: int = Field(128, gt=0, description="Tiny default: hidden width.")
     num_layers: int = Field(4, gt=0, description="Tiny default: transformer layers.")
@@ -88,6 +101,11 @@ class ModelConfig(_Section):
     def _check_heads(self) -> ModelConfig:
         # The tiny default's attention splits hidden_size into num_heads heads of an even width
         # (rotary embeddings rotate pairs); HF would refuse it later with a traceback.
+        if self.path and self.kind != "text":
+            raise ValueError(
+                f"model.kind={self.kind!r} builds a tiny default and cannot be combined with "
+                f"model.path (the folder's config.json says what it is)"
+            )
         if not self.path and self.hidden_size % (2 * self.num_heads):
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} must be a multiple of 2 x "

@@ -12,6 +12,7 @@ from gyre.config import Config, PerfConfig
 from gyre.credentials import resolve_api_key
 from gyre.engines.sync import WeightSync
 from gyre.engines.torch_engine import TorchEngine
+from gyre.models.vision import vision_of
 
 
 def torch_engine_options(perf: PerfConfig) -> dict[str, Any]:
@@ -42,6 +43,7 @@ def build_engine(
             model if e.weight_sync == "shared" else copy.deepcopy(model),
             tokenizer.pad_token_id,
             seed=cfg.run.seed,
+            vision=vision_of(tokenizer),
             **torch_engine_options(cfg.perf),
         )
     else:

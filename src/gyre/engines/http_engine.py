@@ -118,6 +118,9 @@ class HttpEngine:
         for i, r in enumerate(requests):
             if not r.prompt_ids:
                 raise ValueError(f"request {i} has an empty prompt")
+            if r.images:  # token ids alone would drop the pixels: refuse (docs/vision.md)
+                raise ValueError(f"request {i} has images: engine.kind=http does not send "
+                                 "images yet; use engine.kind=torch for VLMs")  # fmt: skip
         futures = [
             self._pool.submit(self._complete, r.prompt_ids, params, i)
             for i, r in enumerate(requests)

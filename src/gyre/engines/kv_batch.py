@@ -94,6 +94,8 @@ class Row:
     out_top: list[dict[int, float]] = field(default_factory=list)
     done: bool = False
     reason: str = "length"
+    images: list[Any] = field(default_factory=list)  # a VLM request's images (prompt order)
+    next_pos: int = -1  # a VLM's rotary position of the next token (-1: not known yet)
 
 
 class DecodeBatch:

@@ -46,6 +46,7 @@ import torch
 from gyre.engines.kv_batch import DecodeBatch, Parked, Row, gather_parked
 from gyre.models.lean import LeanForward, lean_for
 from gyre.models.sampling import sample_tokens_keyed, sampling_logprobs
+from gyre.models.vision import VisionIO, image_key
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 OnComplete = Callable[[int, Completion], GenerationRequest | None]
@@ -82,6 +83,7 @@ class TorchEngine:
         lean_forward: bool = True,
         compact_min: float = 0.5,
         shared_prefix_attention: bool = True,
+        vision: VisionIO | None = None,
     ) -> None:
         if max_batch_size < 0:
             raise ValueError(f"max_batch_size must be >= 0 (0 = unbounded), got {max_batch_size}")
@@ -103,6 +105,8 @@ class TorchEngine:
         self._compiled_of: torch.nn.Module | None = None  # the model _compiled_step wraps
         self._compiled_step: Callable[..., object] | None = None
         self.lean_forward = lean_forward
+        # A VLM's image side: pixel inputs and 3-D positions per prefill (gyre.models.vision).
+        self.vision = vision
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
         self._parked: dict[Hashable, Parked] = {}
@@ -139,6 +143,13 @@ class TorchEngine:
         own = self.model.state_dict()
         if hasattr(self.model, "peft_config"):
             raise ValueError("this engine holds a LoRA adapter: sync it with load_adapter")
+        if self.vision is not None and any(k not in own for k in state):
+            # VLM folders are written with the checkpoint's key names (Qwen-VL: "visual.",
+            # "model.layers."), which transformers maps on load: load them the same way.
+            from transformers import AutoModelForImageTextToText
+
+            state = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+            state = {k: v.to(self.device) for k, v in state.state_dict().items()}
         missing = [k for k in state if k not in own]
         if missing:
             raise ValueError(f"weights in '{path}' do not fit the engine's model: {missing[:3]}")
@@ -374,10 +385,15 @@ class TorchEngine:
         A request continuing a parked session starts from the parked columns and prefills only
         the new suffix; identical fresh prompts are prefilled once and forked.
         """
-        uniq: dict[tuple[int, ...], int] = {}
+        uniq: dict[tuple, int] = {}
         sources: list[tuple[Parked | None, list[int]]] = []  # per prefill row
         row_of: list[int] = []  # per item: its prefill row
-        for _, req, _ in items:
+        images: list[list] = []  # per prefill row: a VLM request's images
+        for index, req, _ in items:
+            if self.vision is not None:  # a wrong image count fails here, in one line
+                self.vision.check(req.prompt_ids, req.images, f"request {index}")
+            elif req.images:
+                raise ValueError(f"request {index} has images but the engine's model is text-only")
             parked = self._parked.get(req.session) if req.session is not None else None
             if parked is not None:
                 self._parked.pop(req.session)
@@ -385,16 +401,23 @@ class TorchEngine:
                 if len(req.prompt_ids) > n and req.prompt_ids[:n] == parked.fed:
                     row_of.append(len(sources))
                     sources.append((parked, list(req.prompt_ids)))
+                    images.append(req.images)
                     continue
-            key = tuple(req.prompt_ids)
+            key: tuple = tuple(req.prompt_ids)
+            if req.images:  # equal ids, other pixels: a VLM's prompts share only with both equal
+                key = (key, tuple(image_key(im) for im in req.images))
             if self.prefix_sharing and key in uniq:
                 row_of.append(uniq[key])
                 continue
             uniq[key] = len(sources)
             row_of.append(len(sources))
             sources.append((None, list(req.prompt_ids)))
+            images.append(req.images)
         cache, colmask = gather_parked(self.model, sources, self.device)
-        proto = [Row(-1, None, 0, list(p.fed) if p is not None else []) for p, _ in sources]
+        proto = [
+            Row(-1, None, 0, list(p.fed) if p is not None else [], images=im)
+            for (p, _), im in zip(sources, images, strict=True)
+        ]
         pre = DecodeBatch(cache, colmask, proto, torch.empty(0))
         chunk = [prompt[len(proto[j].fed) :] for j, (_, prompt) in enumerate(sources)]
         pre.logits = self._feed(pre, chunk)
@@ -402,8 +425,10 @@ class TorchEngine:
             # fork shared prefills G ways (a row gather of the cache)
             pre.select(row_of, self.shared_prefix_attention)
         pre.rows = [
-            Row(index, req.session, seed, list(req.prompt_ids)) for index, req, seed in items
-        ]
+            Row(index, req.session, seed, list(req.prompt_ids), images=req.images,
+                next_pos=filled.next_pos)
+            for (index, req, seed), filled in zip(items, pre.rows, strict=True)
+        ]  # fmt: skip
         return pre
 
     def _feed(self, batch: DecodeBatch, chunk: list[list[int]]) -> torch.Tensor:
@@ -413,6 +438,7 @@ class TorchEngine:
         """
         B = len(chunk)
         C = max(1, max(len(c) for c in chunk))
+        vlm = self._vision_inputs(batch, chunk, C) if self.vision is not None else None
         # Built as Python lists and converted once: per-row tensor writes cost more than the
         # forward of a small model.
         ids_l: list[list[int]] = []
@@ -456,11 +482,14 @@ class TorchEngine:
             logits = forward(
                 input_ids=ids,
                 attention_mask=batch.colmask,
-                position_ids=pos,
+                position_ids=pos if vlm is None else vlm[0],
                 cache=batch.cache,
                 use_cache=True,
                 logits_to_keep=1 if C == 1 else keep.to(self.device),
+                **(vlm[1] if vlm is not None else {}),
             ).logits
+        if vlm is not None:  # never sample a placeholder token (VisionIO.suppress)
+            logits = self.vision.suppress(logits)  # type: ignore[union-attr]
         n_real = int(mask.sum())
         self.stats["forward_calls"] += 1
         self.stats["pad_tokens"] += B * C - n_real
@@ -469,3 +498,38 @@ class TorchEngine:
         else:
             self.stats["prefill_tokens"] += n_real
         return logits[:, -1] if logits.ndim == 3 else logits
+
+    def _vision_inputs(
+        self, batch: DecodeBatch, chunk: list[list[int]], C: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A VLM's (position ids, pixel inputs) for appending ``chunk`` (called before the rows'
+        ``fed`` grow): the images whose placeholders are in the chunk, and positions taken from
+        the whole sequence's (:meth:`VisionIO.positions`) for a prefill, or counted on from
+        ``Row.next_pos`` for decoded tokens -- the positions the trainer computes in one go."""
+        vision = self.vision
+        assert vision is not None
+        B = len(chunk)
+        pos = np.zeros((B, C), dtype=np.int64) if not vision.qwen else None
+        pos3 = np.zeros((3, B, C), dtype=np.int64)
+        rows_images: list[list] = []
+        for b, (c, row) in enumerate(zip(chunk, batch.rows, strict=True)):
+            imgs = vision.images_in_chunk(row.fed, c, row.images) if c else []
+            rows_images.append(imgs)
+            n, start = len(c), len(row.fed)
+            if pos is not None:  # 1-D positions (Idefics3): the token's index, as for text
+                pos[b] = [*range(start, start + n), *([start + max(n - 1, 0)] * (C - n))]
+                continue
+            if n and (imgs or row.next_pos < 0):
+                full = vision.positions([*row.fed, *c], row.images)
+                assert full is not None
+                mine = full[:, start:]
+                row.next_pos = int(full.max()) + 1
+            elif n:
+                mine = np.arange(row.next_pos, row.next_pos + n)[None].repeat(3, 0)
+                row.next_pos += n
+            else:  # a masked pad column: any valid position
+                mine = np.full((3, 1), max(row.next_pos, 0))
+            pos3[:, b, :n] = mine
+            pos3[:, b, n:] = mine[:, -1:]
+        out = torch.from_numpy(pos if pos is not None else pos3).to(self.device)
+        return out, vision.inputs(rows_images, self.device)

@@ -25,6 +25,7 @@ from transformers import (
 
 from gyre.config import ModelConfig
 from gyre.errors import InputError
+from gyre.models.vision import is_vlm_folder, load_vision, load_vlm
 
 # Every character the built-in envs and their prompts can produce. Unknown characters map to
 # <unk>, so a user prompt with other symbols still tokenises.
@@ -106,6 +107,8 @@ def load_pretrained(
             f"model.path '{p}' is not a Hugging Face model folder (no config.json there)"
         )
     check_model_config(p)
+    if is_vlm_folder(p):  # image-text-to-text: AutoModelForImageTextToText + AutoProcessor
+        return load_vlm(p, device)
     tokenizer = load_tokenizer(p)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
     model.to(device)
@@ -134,6 +137,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """A local folder's tokenizer (offline), with EOS as padding when it has no pad token."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_model_config(Path(path))
+    if is_vlm_folder(path):  # the tokenizer of a VLM carries its image processor
+        from transformers import AutoConfig
+
+        return load_vision(path, AutoConfig.from_pretrained(Path(path)))[1]
     tokenizer = AutoTokenizer.from_pretrained(Path(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

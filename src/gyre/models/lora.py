@@ -13,6 +13,7 @@ which is what ``vllm serve --enable-lora`` / SGLang / ``gyre serve`` load.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 
 from gyre.config import Config, LoraConfig
 from gyre.models.build import load_pretrained
+from gyre.models.vision import freeze_vision, save_tokenizer, vision_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -44,13 +46,19 @@ def is_adapter_dir(path: str | Path) -> bool:
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    """Wrap ``model`` in a fresh LoRA adapter (B = 0, so the policy starts unchanged)."""
+    """Wrap ``model`` in a fresh LoRA adapter (B = 0, so the policy starts unchanged).
+
+    A VLM's vision tower and projector are excluded (the adapter sits on the language model
+    only; their names would match ``q_proj`` / ``all-linear`` too)."""
     peft = _peft()
+    tower = {id(m) for m in vision_modules(model)}
+    names = [n for n, m in model.named_modules() if id(m) in tower]
     lcfg = peft.LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
+        exclude_modules=rf"^({'|'.join(map(re.escape, names))})(\..*)?$" if names else None,
         task_type="CAUSAL_LM",
         bias="none",
     )
@@ -77,7 +85,10 @@ def load_policy(
                 f"'{policy_path}' holds a LoRA adapter but model.lora is not set; "
                 "resume LoRA runs with the same model.lora settings"
             )
-        return load_pretrained(policy_path, device)
+        model, tokenizer = load_pretrained(policy_path, device)
+        if cfg.model.freeze_vision:
+            freeze_vision(model)  # a VLM's tower and projector (nothing for a text model)
+        return model, tokenizer
     if is_adapter_dir(policy_path):
         base, tokenizer = load_pretrained(lora_base_path(cfg, run_dir), device)
         model = _peft().PeftModel.from_pretrained(base, policy_path, is_trainable=True)
@@ -152,7 +163,7 @@ def save_full_atomic(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> i
     plain = merged_copy(model) if is_peft_model(model) else model
     plain.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
     nbytes = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
     if out_dir.exists():
         shutil.rmtree(out_dir)

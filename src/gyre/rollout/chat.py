@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre.models.vision import images_in, vision_of
 from gyre.types import Completion, Trajectory
 
 _log = logging.getLogger("gyre.rollout.chat")
@@ -67,6 +68,7 @@ class ChatTemplate:
                 "tokenizer_config.json / chat_template.jinja with one)"
             )
         self.tokenizer = tokenizer
+        self.vision = vision_of(tokenizer)  # a VLM's image side (None: a text model)
         self.tools = list(tools) if tools else None
         self.kwargs = dict(template_kwargs or {})
         # What the template writes after an assistant turn's content: end-of-turn + glue.
@@ -95,6 +97,18 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_images(self, text: str, images: Sequence[Any], where: str) -> list[int]:
+        """:meth:`encode`, each image placeholder of ``text`` expanded once for ``images``
+        (:meth:`gyre.models.vision.VisionIO.expand`)."""
+        if self.vision is None:
+            if images:
+                raise ValueError(
+                    f"{where}: the env sent {len(images)} image(s) but the model "
+                    "is text-only (model.path must be a VLM: docs/vision.md)"
+                )
+            return self.encode(text)
+        return self.vision.expand(text, images, where)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(
@@ -159,12 +173,14 @@ class ChatEpisode:
     ended: bool = True  # the last reply ended with the end-of-turn token
     drift: bool = False
     steps: list[Trajectory] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)  # a VLM episode's images, in order
 
     def start(self, messages: Sequence[Message]) -> list[int]:
         """The opening messages -> the first prompt's ids (with the generation prompt)."""
         self.conv = [dict(m) for m in messages]
+        self.images = images_in(self.conv, "reset() message")
         self.text = self.tpl.render(self.conv, True)
-        self.turn_prompt = self.tpl.encode(self.text)
+        self.turn_prompt = self.tpl.encode_images(self.text, self.images, "reset() messages")
         return list(self.turn_prompt)
 
     def prompt(self, ids: list[int]) -> list[int]:
@@ -190,7 +206,7 @@ class ChatEpisode:
                     token_ids=p + ids, loss_mask=[0] * len(p) + [1] * len(ids),
                     rollout_logprobs=[0.0] * len(p) + list(out.logprobs), reward=0.0,
                     group_id=0, policy_version=-1, num_turns=1, success=False, task_seed=0,
-                    truncated=out.finish_reason == "length",
+                    truncated=out.finish_reason == "length", images=list(self.images),
                 )
             )  # fmt: skip
         return content
@@ -198,6 +214,7 @@ class ChatEpisode:
     def observe(self, new: Sequence[Message]) -> list[int]:
         """The env's new messages -> the ids to append (template glue included)."""
         new = [dict(m) for m in new]
+        imgs = images_in(new, "step() message")
         full = self.tpl.render(self.conv + new, True)
         if full.startswith(self.text):
             suffix = full[len(self.text) :]
@@ -206,11 +223,13 @@ class ChatEpisode:
             tail = self.tpl.tail_after_assistant(self.conv[:-1], new, True)
             end = self.tpl.end_text
             suffix = tail[len(end) :] if self.ended and tail.startswith(end) else tail
+        ids = self.tpl.encode_images(suffix, imgs, "step() messages")
         self.conv.extend(new)
+        self.images.extend(imgs)
         self.text += suffix
         if self.stepwise:
-            self.turn_prompt = self.tpl.encode(full)
-        return self.tpl.encode(suffix)
+            self.turn_prompt = self.tpl.encode_images(full, self.images, "step() messages")
+        return ids
 
     def close(self) -> list[int]:
         """End of the episode: the closing glue's ids; sets :attr:`drift`."""
@@ -247,12 +266,13 @@ class ChatMode:
             if turns >= self.max_turns:
                 stop = "turns"
             else:
-                undo = (len(ep.conv), ep.text, ep.turn_prompt)
+                undo = (len(ep.conv), ep.text, ep.turn_prompt, len(ep.images))
                 ids = ep.observe(new)
                 if not self.max_context_tokens or tokens + len(ids) <= self.max_context_tokens:
                     return ids, None
                 stop = "context"  # the new messages are not added: the episode ends before
                 del ep.conv[undo[0] :]
+                del ep.images[undo[3] :]
                 ep.text, ep.turn_prompt = undo[1], undo[2]
         tail = ep.close()
         info = {

@@ -123,9 +123,10 @@ class Rollout:
         """
         if owns_model and cfg.engine.kind == "torch":
             from gyre.engines.torch_engine import TorchEngine
+            from gyre.models.vision import vision_of
 
             engine: Any = TorchEngine(
-                model, tokenizer.pad_token_id, seed=cfg.run.seed,
+                model, tokenizer.pad_token_id, seed=cfg.run.seed, vision=vision_of(tokenizer),
                 **torch_engine_options(cfg.perf),
             )  # fmt: skip
             syncer = None

@@ -157,7 +157,8 @@ def run_episodes(
         c = chats[i]
         prompt = ids[i] if c is None else c.prompt(ids[i])  # message mode: step-wise prompt
         seed = turn_seed(base_seed, i, turns[i])
-        return GenerationRequest(prompt, session=sessions[i], seed=seed)
+        images = list(c.images) if c is not None else []  # a VLM's images of the prompt
+        return GenerationRequest(prompt, session=sessions[i], seed=seed, images=images)
 
     def finish_turn(i: int, out: Completion) -> bool:
         """Append the action and the env's answer to episode i; True if it goes on.
@@ -253,6 +254,7 @@ def run_episodes(
             turn_states=states[i][: len(spans[i])],
             turn_rewards=turn_r[i] + [0.0] * (len(spans[i]) - len(turn_r[i])),
             steps=_steps(chats[i]) if i not in failed else None,
+            images=chats[i].images if chats[i] is not None else [],
         )
         for i in range(n)
     ]

@@ -7,11 +7,13 @@ so its position ids are 0..T-1 -- the same positions the engine used for the sam
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from gyre.models.sampling import sampling_logprobs
 from gyre.trainer.scoring import ScoringOptions, chunked_token_logprobs
+from gyre.trainer.vision import vision_token_logprobs
 from gyre.types import Trajectory
 
 
@@ -27,6 +29,10 @@ class TokenBatch:
     # recomputed old log-probs, reference log-probs, values, per-token advantages. rows() slices
     # them like the fields above.
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A VLM batch: each row's images (Trajectory.images) and the model's VisionIO, so scoring
+    # re-creates the engine's inputs (gyre.trainer.vision). None for text batches.
+    images: list[list[Any]] | None = None
+    vision: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -43,16 +49,26 @@ class TokenBatch:
         extras = {
             k: (v[index][:, :width] if v.dim() == 2 else v[index]) for k, v in self.extras.items()
         }
+        images = None
+        if self.images is not None:
+            picks = range(len(self.images))[index] if isinstance(index, slice) else index.tolist()
+            images = [self.images[i] for i in picks]
         return TokenBatch(
             sub.input_ids[:, :width],
             sub.attention_mask[:, :width],
             sub.loss_mask[:, :width],
             sub.rollout_logprobs[:, :width],
             extras,
+            images,
+            self.vision,
         )
 
 
-def collate(trajs: list[Trajectory], pad_token_id: int, device: torch.device) -> TokenBatch:
+def collate(
+    trajs: list[Trajectory], pad_token_id: int, device: torch.device, vision: Any = None
+) -> TokenBatch:
+    """Right-padded tensors of ``trajs``; ``vision`` (a VLM's :class:`VisionIO`) keeps the rows'
+    images with them when any has one."""
     T = max(len(t.token_ids) for t in trajs)
     # Built as padded Python lists, one tensor per field (per-row tensor writes cost more than
     # the whole list work for batches of short rows).
@@ -72,11 +88,16 @@ def collate(trajs: list[Trajectory], pad_token_id: int, device: torch.device) ->
         rlp.append([*map(float, t.rollout_logprobs), *([0.0] * pad)])
         lengths.append(n)
     attn = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).long()
+    has_images = any(t.images for t in trajs)
+    if has_images and vision is None:
+        raise ValueError("trajectories carry images but the trainer's model is text-only")
     return TokenBatch(
         torch.tensor(ids, dtype=torch.long, device=device),
         attn.to(device),
         torch.tensor(lmask, dtype=torch.float32, device=device),
         torch.tensor(rlp, dtype=torch.float32, device=device),
+        images=[list(t.images) for t in trajs] if has_images else None,
+        vision=vision if has_images else None,
     )
 
 
@@ -105,6 +126,8 @@ def token_logprobs(
     tokens' log-probs (and entropies) are wanted, the others read 0; the fast path then
     computes only the positions they need (see :func:`gyre.trainer.scoring.chunked_token_logprobs`).
     """
+    if batch.images is not None:  # a VLM batch: pixels and positions (gyre.trainer.vision)
+        return vision_token_logprobs(model, batch, temperature, top_p, with_entropy, score_mask)
     opts = options if options is not None else ScoringOptions()
     if (opts.pack or opts.chunk > 0) and not (with_entropy and entropy_grad):
         fast = chunked_token_logprobs(

@@ -31,6 +31,7 @@ from gyre.checkpoint.snapshot import load_into, seed_everything
 from gyre.config import AlgoConfig, Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state
+from gyre.models.vision import vision_of
 from gyre.trainer.batch import collate
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.overlong import apply_overlong
@@ -134,7 +135,7 @@ class Trainer:
         trajs, episodes = expand_steps(trajs)  # step-wise samples -> rows (trainer/stepwise.py)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
-        batch = collate(trajs, self.tokenizer.pad_token_id, device)
+        batch = collate(trajs, self.tokenizer.pad_token_id, device, vision_of(self.tokenizer))
         shaped = apply_overlong(rewards, trajs, batch, cfg.train.dapo, cfg.train.sampling, m)
         m.update(
             prepare_batch(

@@ -96,6 +96,7 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
         """Values (B, T) from the critic's own backbone (``critic`` mode only)."""
+        _no_images(batch)
         if self.backbone is None:
             raise RuntimeError("a value head on the policy reads the policy's hidden states")
         out = self.backbone(
@@ -141,6 +142,7 @@ def policy_forward(
             score_mask=batch.loss_mask,
         )
         return logp, ent, value_model(batch) if value_model is not None else None
+    _no_images(batch)
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -156,3 +158,11 @@ def policy_forward(
         else:
             values = value_model(batch)
     return logp, ent, values
+
+
+def _no_images(batch: TokenBatch) -> None:
+    if batch.images is not None:
+        raise ValueError(
+            "value models (train.algo.advantage=gae, a critic) are not supported for VLM "
+            "batches yet (docs/vision.md): use an outcome advantage such as grpo"
+        )

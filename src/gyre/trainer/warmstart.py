@@ -30,6 +30,7 @@ from gyre.config import Config
 from gyre.envs import Demonstrator, env_factory
 from gyre.envs.record import trained_on
 from gyre.models.build import load_pretrained
+from gyre.models.vision import vision_of
 from gyre.rollout.core import STREAM_SFT, run_stops
 from gyre.rollout.episodes import demonstrate
 from gyre.rollout.evaluate import train_seed
@@ -117,7 +118,9 @@ def run_sft(
     try:
         for step in range(start + 1, cfg.sft.steps + 1):
             idx = cursor.take(cfg.sft.batch_size)
-            batch = collate([demos[i] for i in idx], tokenizer.pad_token_id, device)
+            batch = collate(
+                [demos[i] for i in idx], tokenizer.pad_token_id, device, vision_of(tokenizer)
+            )
             lr = opt.param_groups[0]["lr"]
             metrics = sft_step(
                 model, opt, batch, cfg.train.micro_batch_size, cfg.train.max_grad_norm

@@ -1,0 +1,83 @@
+"""GRPO on a vision-language model through the one loop: the coloured-square image env
+(tests/vision_helpers.py), tiny Qwen2.5-VL / Idefics3 built locally, full and LoRA training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gyre.config import load_config
+from gyre.runners import train
+
+BASE = [
+    "run.threads=1", "log.console=off", "sft.steps=0", "train.steps=2", "train.tasks_per_step=2",
+    "train.group_size=4", "train.lr=0.05", "train.mini_batches=1", "train.kl_coef=0",
+    "train.sampling.max_new_tokens=6", "eval.episodes=2", "checkpoint.every=0",
+    "env.name=vision_helpers:ColourEnv", "env.kwargs.turns=2",
+]  # fmt: skip
+VISION = ("visual.", "model.visual.", "model.vision_model.", "model.connector.")
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def _run(tmp_path, *extra: str):
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [*BASE, f"run.dir={run_dir}", *extra])
+    train(cfg)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train/loss" in r]
+    assert len(steps) == 2
+    # the trainer recomputed the engine's log-probs with the same pixels and positions
+    assert all(r["train/rollout_logprob_gap"] < 1e-4 for r in steps)
+    return run_dir
+
+
+def _check_frozen_tower(run_dir, init):
+    before, after = _weights(init), _weights(run_dir / "final")
+    tower = [n for n in before if n.startswith(VISION)]
+    assert tower
+    assert all(torch.equal(before[n], after[n]) for n in tower)  # bitwise unchanged
+    moved = [n for n in before if not n.startswith(VISION) and not torch.equal(before[n], after[n])]
+    assert moved, "the language model did not change"
+
+
+def test_gyre_train_tiny_qwen_vl_with_an_image_env(tmp_path):
+    """The built-in tiny Qwen2.5-VL (model.kind), 2 GRPO steps, multi-turn images: the vision
+    tower is frozen (model.freeze_vision) and bitwise unchanged; the final folder loads back."""
+    run_dir = _run(tmp_path, "model.kind=qwen2_5_vl")
+    _check_frozen_tower(run_dir, run_dir / "init")
+    from gyre.models.build import load_pretrained
+
+    model, tok = load_pretrained(run_dir / "final", torch.device("cpu"))
+    assert model.config.model_type == "qwen2_5_vl" and tok.chat_template
+
+
+def test_tiny_idefics3_loads_and_trains_two_steps(tmp_path):
+    from vision_helpers import tiny_vlm
+
+    init = tiny_vlm("idefics3", tmp_path / "vlms")
+    run_dir = _run(tmp_path, f"model.path={init}")
+    _check_frozen_tower(run_dir, init)
+
+
+def test_lora_on_the_language_model_leaves_the_vision_tower_bitwise_unchanged(tmp_path):
+    pytest.importorskip("peft")
+    run_dir = _run(tmp_path, "model.kind=qwen2_5_vl", "model.lora.rank=4",
+                   "model.lora.target_modules=all-linear", "model.freeze_vision=false")  # fmt: skip
+    adapter = load_file(run_dir / "final" / "adapter_model.safetensors")
+    assert adapter and not [k for k in adapter if "visual" in k]  # the LM's layers only
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())
+    import peft
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(run_dir / "init")
+    merged = peft.PeftModel.from_pretrained(base, run_dir / "final").merge_and_unload()
+    before, after = _weights(run_dir / "init"), merged.state_dict()
+    tower = [n for n in before if n.startswith(VISION)]
+    assert tower and all(torch.equal(before[n], after[n.replace("visual.", "model.visual.")])
+                         for n in tower)  # fmt: skip
