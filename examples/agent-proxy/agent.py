@@ -132,8 +132,18 @@ def run_episode(
     return reply, messages, calls
 
 
-def post_reward(client: Any, session: str, reward: float) -> dict[str, Any]:
-    return client.post(f"/gyre/episodes/{session}/reward", body={"reward": reward}, cast_to=object)
+def post_reward(client: Any, session: str, reward: float) -> bool:
+    """Tell a recording server the episode's reward (success: a full score; reasoning-gym gives
+    partial credit to near misses); False where the server records nothing (a plain ``gyre
+    serve`` or any other OpenAI server: 404)."""
+    import openai
+
+    body = {"reward": reward, "success": reward >= 1.0}
+    try:
+        client.post(f"/gyre/episodes/{session}/reward", body=body, cast_to=object)
+    except openai.NotFoundError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     client = openai.OpenAI(base_url=args.base_url, api_key="none", max_retries=0)
     tasks, ds = make_tasks(args.tasks, args.seed)
     print("tasks:", "reasoning-gym basic_arithmetic" if ds is not None else "gyre arithmetic")
-    total, solved, tool_calls = 0, 0.0, 0
+    total, score_sum, solved, tool_calls = 0, 0.0, 0, 0
     for i, task in enumerate(tasks):
         for _ in range(args.attempts):
             session = uuid.uuid4().hex
@@ -160,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             reward = score(task, reply, ds)
             post_reward(client, session, reward)
-            total, solved, tool_calls = total + 1, solved + reward, tool_calls + calls
-    print(f"episodes {total}  mean reward {solved / max(total, 1):.3f}  tool calls {tool_calls}")
+            total, score_sum, tool_calls = total + 1, score_sum + reward, tool_calls + calls
+            solved += reward >= 1.0
+    n = max(total, 1)
+    print(f"episodes {total}  mean reward {score_sum / n:.3f}  solved {solved / n:.1%}  "
+          f"tool calls {tool_calls}")  # fmt: skip
     return 0
 
 
