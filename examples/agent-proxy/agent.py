@@ -101,10 +101,12 @@ def expression_of(question: str) -> str:
 
 def run_episode(
     client: Any, model: str, task: Task, session: str, group: str, max_turns: int = 4,
-    temperature: float = 1.0, max_tokens: int = 48,
+    temperature: float = 1.0, max_tokens: int = 48, metadata: dict[str, Any] | None = None,
 ) -> tuple[str, list[dict[str, Any]], int]:  # fmt: skip
-    """One attempt: (final reply, the conversation, tool calls made)."""
+    """One attempt: (final reply, the conversation, tool calls made). ``metadata`` goes to
+    the server's ``--reward-fn`` (``gyre_metadata``)."""
     headers = {"X-Gyre-Session": session, "X-Gyre-Group": group}
+    extra = {"gyre_metadata": metadata} if metadata else None
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": task.question},
@@ -114,7 +116,7 @@ def run_episode(
     for _ in range(max_turns):
         r = client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, temperature=temperature,
-            max_tokens=max_tokens, extra_headers=headers,
+            max_tokens=max_tokens, extra_headers=headers, extra_body=extra,
         )  # fmt: skip
         msg = r.choices[0].message
         messages.append(msg.model_dump(exclude_none=True))
@@ -154,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attempts", type=int, default=4, help="episodes per task (a GRPO group)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument(
+        "--server-reward", action="store_true",
+        help="let the server's --reward-fn score (send the task as gyre_metadata, then POST "
+        ".../end) instead of posting the agent's own score",
+    )  # fmt: skip
     args = p.parse_args(argv)
     import openai
 
@@ -164,12 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     for i, task in enumerate(tasks):
         for _ in range(args.attempts):
             session = uuid.uuid4().hex
+            meta = {"entry": task.entry, "answer": task.answer} if args.server_reward else None
             reply, _, calls = run_episode(
                 client, args.model, task, session, f"task-{args.seed}-{i}",
-                temperature=args.temperature,
+                temperature=args.temperature, metadata=meta,
             )  # fmt: skip
             reward = score(task, reply, ds)
-            post_reward(client, session, reward)
+            if args.server_reward:
+                client.post(f"/gyre/episodes/{session}/end", cast_to=object)
+            else:
+                post_reward(client, session, reward)
             total, score_sum, tool_calls = total + 1, score_sum + reward, tool_calls + calls
             solved += reward >= 1.0
     n = max(total, 1)

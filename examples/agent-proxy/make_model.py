@@ -3,7 +3,7 @@ with Qwen2.5's ChatML chat template and ``<tool_call>`` tools, a tiny Qwen2, and
 supervised warm-up on transcripts of the agent solving its tasks with the calculator (so the
 policy calls the tool some of the time, and GRPO has something to sharpen).
 
-    python examples/agent-proxy/make_model.py runs/agent-model --steps 300
+    python examples/agent-proxy/make_model.py runs/agent-model
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def warm_up(
     model: Any,
     tokenizer: Any,
     steps: int,
-    tasks: int = 64,
+    tasks: int = 2000,
     seed: int = 0,
     batch_size: int = 8,
     lr: float = 3e-3,
@@ -166,7 +166,7 @@ def warm_up(
     return float(loss.detach())
 
 
-def make(out: str | Path, steps: int = 300, seed: int = 0, tasks: int = 64) -> tuple[Path, float]:
+def make(out: str | Path, steps: int = 600, seed: int = 0, tasks: int = 2000) -> tuple[Path, float]:
     out = Path(out)
     tok = build_tokenizer()
     model = build_model(tok, seed)
@@ -180,8 +180,8 @@ def make(out: str | Path, steps: int = 300, seed: int = 0, tasks: int = 64) -> t
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--steps", type=int, default=300, help="warm-up steps (0: a random model)")
-    p.add_argument("--tasks", type=int, default=64, help="warm-up transcripts")
+    p.add_argument("--steps", type=int, default=600, help="warm-up steps (0: a random model)")
+    p.add_argument("--tasks", type=int, default=2000, help="warm-up transcripts")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
