@@ -227,3 +227,19 @@ def test_bad_calls_are_4xx_naming_the_field(model_dir, tmp_path):
         assert http.post("/v1/chat/completions", json=body).status_code == 200  # unrecorded
         stats = http.get("/v1/gyre/recording").json()
     assert stats["unrecorded_calls"] == 1 and stats["calls"] == 1 and stats["open_episodes"] == 1
+
+
+def test_assistant_message_parses_hermes_tool_calls_only_with_tools():
+    from gyre.engines.serve_requests import assistant_message
+
+    msg, bad = assistant_message("Let me check.\n" + CALL, tools=True)
+    assert bad == 0 and msg["content"] == "Let me check."
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "calculator"
+    assert json.loads(call["function"]["arguments"]) == {"expression": "12 + 30"}
+    assert assistant_message(CALL, tools=False) == ({"role": "assistant", "content": CALL}, 0)
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {</tool_call>'
+    assert assistant_message(broken, tools=True) == ({"role": "assistant", "content": broken}, 1)
+    two, _ = assistant_message(CALL + "\n" + CALL, tools=True)
+    assert two["content"] is None and len(two["tool_calls"]) == 2
