@@ -174,9 +174,8 @@ def test_top_logprobs_in_a_shared_batch_equal_one_at_a_time(tokenizer, make_tiny
     for c, w in zip(got, want, strict=True):
         assert c.top_logprobs is not None and w.top_logprobs is not None
         assert len(c.top_logprobs) == len(c.token_ids)
-        for top, top_w, tok, lp in zip(
-            c.top_logprobs, w.top_logprobs, c.token_ids, c.logprobs, strict=True
-        ):
+        for top, top_w, tok, lp in zip(c.top_logprobs, w.top_logprobs, c.token_ids, c.logprobs,
+                                       strict=True):
             assert list(top) == list(top_w) and len(top) == 3
             assert list(top.values()) == sorted(top.values(), reverse=True)
             if tok in top:
