@@ -235,8 +235,7 @@ def _run(argv: list[str]) -> int:
         from gyre.runners import train
 
         s = train(cfg)
-        if s["before"] or s["after"]:  # train.source runs evaluate nothing
-            console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
+        console.print(_table([("before GRPO", s["before"]), ("after GRPO", s["after"])]))
         console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
     elif ns.command == "sft":
         run_dir, device = loop.setup(cfg)
