@@ -243,3 +243,27 @@ def test_assistant_message_parses_hermes_tool_calls_only_with_tools():
     assert assistant_message(broken, tools=True) == ({"role": "assistant", "content": broken}, 1)
     two, _ = assistant_message(CALL + "\n" + CALL, tools=True)
     assert two["content"] is None and len(two["tool_calls"]) == 2
+
+
+def test_open_episodes_at_shutdown_are_scored_by_the_reward_fn(model_dir, tmp_path, capsys):
+    host, rec, http, client = _serve(model_dir, tmp_path, ["hi"], lambda m, meta: 1.0)
+    with http:
+        _ask(client, START, session="left-open")
+    (record,) = _records(rec, host.tokenizer)  # the server's shutdown ended it
+    assert record["session"] == "left-open" and record["reward"] == 1.0
+    _, rec2, http2, client2 = _serve(model_dir, tmp_path / "b", ["hi"])
+    with http2:
+        _ask(client2, START)
+    assert not rec2.path.exists() and "never got a reward" in capsys.readouterr().err
+
+
+def test_serve_cli_refuses_a_bad_reward_fn(model_dir, tmp_path, capsys):
+    from gyre.engines import server
+
+    missing = f"{tmp_path / 'nope.py'}:score"
+    assert (
+        server.main([str(model_dir), "--record", str(tmp_path / "r"), "--reward-fn", missing]) == 1
+    )
+    assert "--reward-fn" in capsys.readouterr().err
+    assert server.main([str(model_dir), "--reward-fn", missing]) == 1
+    assert "--reward-fn needs --record DIR" in capsys.readouterr().err
