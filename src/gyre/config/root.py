@@ -78,6 +78,25 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_source(self) -> Config:
+        """``train.source``: the recording's policy is ``model.path``; SFT on env demonstrations
+        would change it first, so it is off unless asked for (and then refused); the recorded
+        tokens are off-policy after the first update, so rollout IS defaults to truncate."""
+        if not self.train.source:
+            return self
+        if not self.model.path:
+            raise ValueError("train.source needs model.path: the model gyre serve --record served")
+        if "steps" not in self.sft.model_fields_set:
+            self.sft.steps = 0
+        elif self.sft.steps > 0:
+            raise ValueError(
+                "train.source: sft.steps must be 0 (the recording was sampled by model.path)"
+            )
+        if "rollout_is" not in self.train.algo.model_fields_set:
+            self.train.algo.rollout_is = "truncate"
+        return self
+
+    @model_validator(mode="after")
     def _check_ray(self) -> Config:
         if self.runner == "ray":
             check_ray_config(self)

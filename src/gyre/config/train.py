@@ -230,3 +230,9 @@ class TrainConfig(_Section):
         default_factory=LevelReplayConfig,
         description="Replay training tasks whose groups had mixed outcomes (local runner).",
     )
+    source: str = Field(
+        "",
+        description="Train on trajectories recorded by 'gyre serve --record DIR' (that DIR or "
+        "one .jsonl file) instead of playing env: groups by the agent's gyre_group, "
+        "train.group_size episodes each (docs/envs.md, 'Agents gyre did not write').",
+    )

@@ -8,6 +8,7 @@ at most ``MAX_SEQUENCES`` sequences (prompts x ``n``) per request; token ids ins
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -138,6 +139,11 @@ class ChatBody(_Body):
     return_tokens_as_token_ids: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # gyre serve --record: the episode this call belongs to, its GRPO group (task) and what the
+    # reward callback is given (the X-Gyre-Session / X-Gyre-Group headers do the same).
+    gyre_session: str | None = Field(None, min_length=1, max_length=256)
+    gyre_group: str | None = Field(None, min_length=1, max_length=256)
+    gyre_metadata: dict[str, Any] | None = None
 
 
 class GenerateSamplingParams(_Body):
@@ -256,7 +262,20 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     for key in ("name", "tool_calls", "tool_call_id"):
         if getattr(m, key) is not None:
             msg[key] = getattr(m, key)
+    if m.tool_calls:  # as vLLM does: templates expect arguments as an object, not JSON text
+        msg["tool_calls"] = [_parsed_arguments(c) for c in m.tool_calls]
     return msg
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 def chat_prompt(
@@ -415,19 +434,46 @@ def completion_answer(
     }
 
 
+def assistant_message(text: str, tools: bool) -> tuple[dict[str, Any], int]:
+    """The reply as OpenAI's assistant message and how many malformed tool calls it held.
+
+    With ``tools`` in the request, Hermes / Qwen ``<tool_call>{json}</tool_call>`` blocks
+    become ``tool_calls`` (the text before the first block is the ``content``), as vLLM's
+    ``hermes`` parser does. A reply with a block that does not parse stays plain text: the
+    agent sees what the model wrote, and the count says it happened.
+    """
+    if not tools or "<tool_call>" not in text:
+        return {"role": "assistant", "content": text}, 0
+    from gyre.rollout.tools import HermesParser
+
+    calls = HermesParser().parse(text)
+    bad = sum(1 for c in calls if c.error)
+    if bad or not calls:
+        return {"role": "assistant", "content": text}, max(bad, 1)
+    content = text[: text.index("<tool_call>")].strip()
+    tool_calls = [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+        for c in calls
+    ]  # fmt: skip
+    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, 0
+
+
 def chat_answer(
     v: Vocab, model: str, body: ChatBody, reqs: list[GenerationRequest], outs: list[Completion]
 ) -> dict[str, Any]:
     choices = []
     for idx, out in enumerate(outs):
         text = v.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        message, _ = assistant_message(text, bool(body.tools))
+        stop = out.finish_reason == "stop" and "tool_calls" in message
         choice: dict[str, Any] = {
             "index": idx,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": (
                 _chat_logprobs(v, out, body.return_tokens_as_token_ids) if body.logprobs else None
             ),
-            "finish_reason": out.finish_reason,
+            "finish_reason": "tool_calls" if stop else out.finish_reason,
         }
         if body.return_token_ids:
             choice["token_ids"] = out.token_ids

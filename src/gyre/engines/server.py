@@ -40,6 +40,13 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ValidationError
 
+from gyre.engines.recorder import (
+    Recorder,
+    add_routes,
+    build_recorder,
+    recorded_chat,
+    session_of,
+)
 from gyre.engines.serve_host import Batcher, ModelHost
 from gyre.engines.serve_requests import (
     ApiError,
@@ -327,7 +334,9 @@ def _prepare_generate(
     return model, requests_of(host.vocab, prompts, 1, params.max_new_tokens), params
 
 
-def _generation_routes(app: Any, host: ModelHost, batcher: Batcher, auth: list[Any]) -> None:
+def _generation_routes(
+    app: Any, host: ModelHost, batcher: Batcher, auth: list[Any], recorder: Recorder | None
+) -> None:
     from fastapi import Request
 
     async def run(request: Request, cls: type[BaseModel], prepare: Any) -> tuple[Any, ...]:
@@ -342,7 +351,14 @@ def _generation_routes(app: Any, host: ModelHost, batcher: Batcher, auth: list[A
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request) -> Any:
-        body, model, reqs, outs = await run(request, ChatBody, _prepare_chat)
+        body = await _parse(request, ChatBody, batcher)
+        session = None if recorder is None else session_of(request.headers, body)
+        if recorder is not None and session is not None:  # --record: docs/envs.md
+            return await recorded_chat(host, batcher, recorder, session, body)
+        if recorder is not None:
+            recorder.stats["unrecorded_calls"] += 1
+        model, reqs, params = await batcher.run_in_prep(_prepare_chat, host, body)
+        outs = await batcher.submit(model, reqs, params)
         return await batcher.run_in_prep(chat_answer, host.vocab, model, body, reqs, outs)
 
     @app.post("/generate", dependencies=auth)
@@ -359,8 +375,10 @@ def create_app(
     max_batch: int = 64,
     batch_wait_ms: float = 5.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    recorder: Recorder | None = None,
 ) -> Any:
-    """The FastAPI app; ``uvicorn.run(create_app(...))`` serves it."""
+    """The FastAPI app; ``uvicorn.run(create_app(...))`` serves it. With a ``recorder``
+    (``--record``), chat calls that name a session are recorded (:mod:`gyre.engines.recorder`)."""
     _require_serve_extra()
     import asyncio
     from contextlib import asynccontextmanager
@@ -373,6 +391,8 @@ def create_app(
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
         task = asyncio.create_task(batcher.loop())
         yield
+        if recorder is not None:
+            await batcher.run_in_prep(recorder.close)
         task.cancel()
         batcher.shutdown()
 
@@ -383,7 +403,9 @@ def create_app(
     auth = _auth(api_key)
     _info_routes(app, host, batcher, auth)
     _weight_routes(app, host, batcher, auth)
-    _generation_routes(app, host, batcher, auth)
+    _generation_routes(app, host, batcher, auth, recorder)
+    if recorder is not None:
+        add_routes(app, batcher, auth, recorder)
     return app
 
 
@@ -434,6 +456,20 @@ def _parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="sampling seed")
     add("--max-batch", type=int, default=64, help="prompts per engine batch")
     add("--batch-wait-ms", type=float, default=5.0, help="how long to gather a batch")
+    add(
+        "--record",
+        default="",
+        metavar="DIR",
+        help="record chat calls that name a session (X-Gyre-Session) as episodes in "
+        "DIR/episodes.jsonl, for gyre train train.source=DIR (docs/envs.md)",
+    )
+    add(
+        "--reward-fn",
+        default="",
+        metavar="FILE.py:FN",
+        help="with --record: fn(messages, metadata) -> reward, called when an episode ends "
+        "without a posted reward (module:fn also works)",
+    )
     return parser
 
 
@@ -488,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         host = ModelHost(
             ns.model_dir, ns.served_model_name or ns.model_dir, resolve_device(ns.device), ns.seed
         )
-    except (FileNotFoundError, ValueError) as exc:
+        recorder = build_recorder(ns.record, ns.reward_fn, host.tokenizer)
+    except (FileNotFoundError, ValueError, OSError) as exc:
         print(f"gyre serve: error: {exc}", file=sys.stderr)
         return 1
     except ApiError as exc:
@@ -498,8 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     # that allocates many objects no longer pays for full collections that walk all of them.
     gc.freeze()
     body_bytes = int(ns.max_body_mb * (1 << 20))
-    app = create_app(host, key, ns.max_batch, ns.batch_wait_ms, body_bytes)
+    app = create_app(host, key, ns.max_batch, ns.batch_wait_ms, body_bytes, recorder)
     print(f"gyre serve: {host.served_name} on http://{ns.host}:{ns.port}", flush=True)
+    if recorder is not None:
+        print(f"gyre serve: recording sessions to {recorder.path}", flush=True)
     uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
     return 0
 

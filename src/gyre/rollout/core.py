@@ -33,6 +33,7 @@ from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
 from gyre.rollout.episodes import RolloutStats, run_episodes
 from gyre.rollout.evaluate import evaluate, train_seed
+from gyre.rollout.recorded import RecordedSource
 from gyre.rollout.replay import LevelReplay
 from gyre.rollout.stops import Stops, derive_stops
 from gyre.rollout.tools import message_metrics, message_mode
@@ -81,6 +82,17 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
     }
 
 
+def recorded_source(cfg: Config, tokenizer: Any, engine: Any) -> RecordedSource | None:
+    """``train.source``'s recording, checked against the run's vocab and sampling."""
+    if not cfg.train.source:
+        return None
+    s, model = cfg.train.sampling, getattr(engine, "model", None)
+    vocab = max(len(tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0)))
+    src = RecordedSource(cfg.train.source, cfg.train.group_size, vocab, s.temperature, s.top_p)
+    print(src.describe(), flush=True)
+    return src
+
+
 class Rollout:
     """Plays the run's tasks with its engine and scores them (env reward + reward functions)."""
 
@@ -99,7 +111,9 @@ class Rollout:
         self.rewarder = rewarder
         # Message-mode envs get the chat template (and the tools' wrapper): rollout/tools.py.
         self.make_env, self.chat, self.toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
-        if self.chat is None:  # raw text: the first prompt must fit before any rollout
+        # train.source: recorded episodes instead of env x engine (rollout/recorded.py)
+        self.recorded = recorded_source(cfg, tokenizer, engine)
+        if self.chat is None and self.recorded is None:  # raw text: the first prompt must fit
             check_prompts(cfg, self.make_env, tokenizer, context_limit(engine))
         self.next_task = 0  # the local task stream's position (tasks consumed so far)
         replay = cfg.train.level_replay
@@ -159,8 +173,10 @@ class Rollout:
     ) -> tuple[list[Trajectory], RolloutStats]:
         """:meth:`play` of any task indices (level replay mixes old ones with new ones)."""
         cfg, G = self.cfg, self.cfg.train.group_size
-        seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         stats = RolloutStats()
+        if self.recorded is not None:  # scored already: the agent's or --reward-fn's reward
+            return self.recorded.play(tasks, m), stats
+        seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         params = sampling_params(cfg, self.tokenizer, seed, self.chat)
         trajs = run_episodes(
             self.make_env, self.engine, self.tokenizer, seeds, G, params, stats,
@@ -217,6 +233,8 @@ class Rollout:
         """Held-out evaluation (``eval/*``) and validation (``val/*``, when
         ``eval.validation_episodes``) of the engine's current weights with the run's settings."""
         cfg, out = self.cfg, {}
+        if self.recorded is not None:  # the agent's tasks are not gyre's to play
+            return out
         s = cfg.train.sampling
         stops = run_stops(cfg, self.tokenizer, self.chat)
         for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
