@@ -240,7 +240,10 @@ def _run(argv: list[str]) -> int:
         if s.get("selected") and s["selected"]["step"] != s["steps"]:
             rows[-1] = (f"after GRPO (step {s['selected']['step']}, by validation)", s["after"])
             rows.append(("last step", s["last"]))
-        console.print(_table(rows))
+        if s["before"] or s["after"]:
+            console.print(_table(rows))
+        else:  # train.source: the recorded agent's tasks are not gyre's to evaluate
+            console.print("no held-out evaluation (train.source: recorded episodes)")
         console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
     elif ns.command == "sft":
         run_dir, device = loop.setup(cfg)

@@ -187,7 +187,9 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
         "after": selected["eval"] if selected else state["evals"]["after"],
         "last": state["evals"]["after"],
         "selected": selected,
-        "demonstrator": demonstrator_success(env_factory(cfg.env), cfg.eval.episodes),
+        "demonstrator": None
+        if cfg.train.source
+        else demonstrator_success(env_factory(cfg.env), cfg.eval.episodes),
         "faults": state["faults"],
         "checkpoints": ckpt.summary(),
         "wall_s": time.perf_counter() - t_start,
@@ -282,7 +284,7 @@ def _keep_best(
     """``eval.select=val``: after an evaluation whose validation greedy success beats every
     earlier one, write the weights to ``<run.dir>/best`` and remember the step, its validation
     score and its held-out metrics (reported, never compared)."""
-    if cfg.eval.select != "val":
+    if cfg.eval.select != "val" or "val/success_greedy" not in m:  # train.source: no eval
         return
     score = m["val/success_greedy"]
     best = state.get("best")
