@@ -111,9 +111,26 @@ class TextPart(_Body):
     text: str
 
 
+class ImageUrl(_Body):
+    url: str  # a data:image/...;base64,... URI (gyre serve fetches no URLs)
+    detail: str | None = None
+
+
+class ImageUrlPart(_Body):
+    """An image part, OpenAI's form: ``{"type": "image_url", "image_url": {"url": ...}}``."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+Part = Annotated[TextPart | ImageUrlPart, Discriminator("type")]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None  # text parts are joined with "\n", as vLLM does
+    # Text parts alone are joined with "\n", as vLLM does; with an image part the parts go to
+    # the chat template as they are (gyre.engines.serve_images).
+    content: str | list[Part] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: str | None = None
@@ -160,6 +177,8 @@ class GenerateBody(_Body):
     top_logprobs_num: TopK = 0
     lora_path: str | None = None
     stream: bool = False
+    # the prompt's images as data:image/...;base64,... URIs, one per placeholder, in order
+    image_data: Annotated[list[str], Field(max_length=MAX_SEQUENCES)] | str | None = None
 
 
 class LoadLoraBody(_Body):
@@ -324,9 +343,9 @@ def check_length(v: Vocab, prompt: list[int], max_new: int) -> None:
 
 
 def requests_of(
-    v: Vocab, prompts: list[list[int]], n: int, max_new: int
+    v: Vocab, prompts: list[list[int]], n: int, max_new: int, images: list[Any] | None = None
 ) -> list[GenerationRequest]:
-    """``n`` requests per prompt, after the length and count checks."""
+    """``n`` requests per prompt (each with ``images``), after the length and count checks."""
     if len(prompts) * n > MAX_SEQUENCES:
         raise ApiError(
             400,
@@ -335,7 +354,9 @@ def requests_of(
         )
     for p in prompts:
         check_length(v, p, max_new)
-    return [GenerationRequest(list(p)) for p in prompts for _ in range(n)]
+    return [
+        GenerationRequest(list(p), images=list(images or [])) for p in prompts for _ in range(n)
+    ]
 
 
 # -- answers ----------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from gyre.engines.serve_host import Batcher, ModelHost
+from gyre.engines.serve_images import chat_ids, generate_ids
 from gyre.engines.serve_requests import (
     ApiError,
     ChatBody,
@@ -50,7 +51,6 @@ from gyre.engines.serve_requests import (
     UnloadLoraBody,
     UpdateWeightsBody,
     chat_answer,
-    chat_prompt,
     check_containers,
     completion_answer,
     generate_answer,
@@ -308,10 +308,10 @@ def _prepare_chat(
     k = body.top_logprobs or 0
     if k and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    prompt = chat_prompt(host.vocab, body.messages, body.tools)
+    prompt, images = chat_ids(host.vocab, body.messages, body.tools)
     max_new = body.max_completion_tokens or body.max_tokens or 64
     params = sampling_params(host.vocab, body, max_new, k)
-    return model, requests_of(host.vocab, [prompt], body.n, params.max_new_tokens), params
+    return model, requests_of(host.vocab, [prompt], body.n, params.max_new_tokens, images), params
 
 
 def _prepare_generate(
@@ -321,10 +321,10 @@ def _prepare_generate(
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", "input_ids")
     model = host.check_model(host.served_name if body.lora_path is None else body.lora_path)
-    prompts = prompts_of(host.vocab, body.text if body.input_ids is None else body.input_ids)
+    prompts, images = generate_ids(host.vocab, body)
     sp = body.sampling_params
     params = sampling_params(host.vocab, sp, sp.max_new_tokens, body.top_logprobs_num)
-    return model, requests_of(host.vocab, prompts, 1, params.max_new_tokens), params
+    return model, requests_of(host.vocab, prompts, 1, params.max_new_tokens, images), params
 
 
 def _generation_routes(app: Any, host: ModelHost, batcher: Batcher, auth: list[Any]) -> None:
