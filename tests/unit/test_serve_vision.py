@@ -83,15 +83,20 @@ def test_generate_takes_expanded_or_placeholder_ids_with_image_data(served):
     http, _, model, tok = served
     tpl, vision = ChatTemplate(tok), vision_of(tok)
     img = square("yellow", 5)
-    text = tpl.render([{"role": "user", "content": [{"type": "image"},
-                                                    {"type": "text", "text": QUESTION}]}], True)
+    text = tpl.render(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], True
+    )
     expanded = vision.expand(text, [img])
     lone = tpl.encode(text)  # one <|image_pad|> per image: what a SGLang client sends
     assert lone.count(vision.image_token_id) == 1 < expanded.count(vision.image_token_id)
     local = _local(model, tok, expanded, [img], max_new=3)
     for ids in (expanded, lone):
-        body = {"input_ids": ids, "image_data": [image_data_uri(img)], "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "input_ids": ids,
+            "image_data": [image_data_uri(img)],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        }
         r = http.post("/generate", json=body)  # fmt: skip
         assert r.status_code == 200, r.text
         out = r.json()
@@ -99,6 +104,29 @@ def test_generate_takes_expanded_or_placeholder_ids_with_image_data(served):
         assert out["output_ids"] == local.token_ids
         lps = [p[0] for p in out["meta_info"]["output_token_logprobs"]]
         assert np.allclose(lps, local.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "idefics3"])
+def test_generate_with_images_on_the_other_tiny_vlms(tmp_path_factory, kind):
+    folder = tiny_vlm(kind, tmp_path_factory.getbasetemp() / "vlms")
+    model, tok = load_vlm(folder, CPU)
+    tpl, vision = ChatTemplate(tok), vision_of(tok)
+    imgs = [square("red", 1), square("blue", 2)]
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"},
+                                         {"type": "image"}]}]  # fmt: skip
+    ids = vision.expand(tpl.render(msgs, True), imgs)
+    local = _local(model.eval(), tok, ids, imgs, max_new=3)
+    with TestClient(create_app(ModelHost(folder, "tiny", CPU))) as http:
+        body = {
+            "input_ids": ids,
+            "image_data": [image_data_uri(i) for i in imgs],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        }
+        out = http.post("/generate", json=body).json()  # fmt: skip
+    assert out["output_ids"] == local.token_ids
+    assert np.allclose([p[0] for p in out["meta_info"]["output_token_logprobs"]],
+                       local.logprobs, atol=1e-4)  # fmt: skip
 
 
 _PNG = image_data_uri(square("red", 0))
