@@ -104,5 +104,5 @@ def generate_ids(v: Vocab, body: GenerateBody) -> tuple[list[list[int]], list[np
             ids = vision.expand(text, images, "input_ids")
         vision.check(ids, images, "input_ids")
     except ValueError as exc:
-        raise ApiError(400, f"{exc} (image_data holds {len(images)})", "image_data") from None
+        raise ApiError(400, f"image_data: {exc}", "image_data") from None
     return [ids], images

@@ -7,7 +7,8 @@ three:
   ``logprobs: k`` returns the sampled token's logprob (+ the k best), ``return_token_ids: true``
   adds ``token_ids`` / ``prompt_token_ids`` to each choice, ``return_tokens_as_token_ids: true``
   writes tokens as ``"token_id:N"`` (vLLM's fields); ``stop_token_ids`` and ``seed`` as in vLLM.
-- ``POST /v1/chat/completions`` with ``logprobs`` / ``top_logprobs``.
+- ``POST /v1/chat/completions`` with ``logprobs`` / ``top_logprobs``; for a VLM, ``image_url``
+  parts (data URIs) and SGLang's ``/generate`` with ``image_data`` (:mod:`serve_images`).
 - ``GET /v1/models``, ``GET /health``.
 - ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}`` and ``POST /v1/unload_lora_adapter``
   ``{lora_name}`` (vLLM); a loaded adapter is addressed by passing its name as ``model``.
