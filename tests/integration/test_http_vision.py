@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gyre.config import load_config
-from gyre.engines.http_engine import HttpEngine, ServerError, _parse_generate
+from gyre.engines.http_engine import HttpEngine
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.vision import load_vlm, vision_of
 from gyre.rollout.chat import ChatMode, ChatTemplate
@@ -61,13 +61,6 @@ def test_http_engine_matches_the_in_process_engine_on_visual_turns(vlm_server):
         assert np.allclose(b.rollout_logprobs, a.rollout_logprobs, atol=1e-4)
         assert b.reward == a.reward
     assert engine.stats["requests"] == sum(t.num_turns for t in local)
-
-
-def test_a_server_that_expands_placeholders_otherwise_is_an_error():
-    answer = {"meta_info": {"prompt_tokens": 10, "output_token_logprobs": [[-0.5, 7, None]]}}
-    assert _parse_generate(answer, "http://s", 10).token_ids == [7]
-    with pytest.raises(ServerError, match="ran 10 prompt tokens for a prompt of 13 ids"):
-        _parse_generate(answer, "http://s", 13)
 
 
 def test_gyre_train_over_http_on_an_image_env(vlm_server, tmp_path):

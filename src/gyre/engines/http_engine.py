@@ -488,6 +488,9 @@ def _parse_generate(data: dict[str, Any], url: str, prompt_len: int | None = Non
     try:
         meta = data["meta_info"]
         ran = meta.get("prompt_tokens")
+        if prompt_len is not None and ran is None:
+            raise ServerError(f"{url} returned no meta_info.prompt_tokens for a prompt with "
+                              "images: its placeholder expansion cannot be checked")  # fmt: skip
         if prompt_len is not None and ran != prompt_len:
             raise ServerError(
                 f"{url} ran {ran} prompt tokens for a prompt of {prompt_len} ids with images: "
