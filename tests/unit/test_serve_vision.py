@@ -79,6 +79,31 @@ def test_openai_client_sends_an_image_chat(served):
     assert not np.allclose(other.logprobs, local.logprobs, atol=1e-6)
 
 
+def test_multi_turn_chat_with_two_images(served):
+    """A conversation with an assistant turn between two images: the whole rendering, each
+    placeholder expanded for its own image, in order."""
+    _, client, model, tok = served
+    a, b = square("red", 1), square("blue", 2, size=64)  # two sizes: 4 and 16 image tokens
+    msgs = [*_chat(image_data_uri(a)), {"role": "assistant", "content": "green"},
+            {"role": "user", "content": [{"type": "text", "text": "No. Look again:"},
+                                         {"type": "image_url",
+                                          "image_url": {"url": image_data_uri(b)}}]}]  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=3, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    hf = [{"role": "user", "content": [{"type": "image", "image": a},
+                                       {"type": "text", "text": QUESTION}]},
+          {"role": "assistant", "content": "green"},
+          {"role": "user", "content": [{"type": "text", "text": "No. Look again:"},
+                                       {"type": "image", "image": b}]}]  # fmt: skip
+    tpl, vision = ChatTemplate(tok), vision_of(tok)
+    want = tpl.encode_images(tpl.render(hf, True), [a, b], "test")
+    assert r.choices[0].prompt_token_ids == want
+    assert want.count(vision.image_token_id) == 4 + 16
+    assert r.choices[0].token_ids == _local(model, tok, want, [a, b], max_new=3).token_ids
+
+
 def test_generate_takes_expanded_or_placeholder_ids_with_image_data(served):
     http, _, model, tok = served
     tpl, vision = ChatTemplate(tok), vision_of(tok)
@@ -178,3 +203,19 @@ def test_a_text_model_refuses_images(tmp_path, make_tiny_model, tokenizer):
         assert r.status_code == 400 and "text-only" in r.json()["error"]["message"], r.text
         r = http.post("/v1/chat/completions", json={"messages": _chat(_PNG), "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+
+
+@pytest.mark.parametrize(
+    "part, param",
+    [
+        ({"type": "image_url"}, "messages.0.content.0"),
+        ({"type": "image_url", "image_url": {"url": 3}}, "messages.0.content.0.image_url.url"),
+        ({"type": "video_url", "video_url": {"url": "x"}}, "messages.0.content.0.type"),
+    ],
+)
+def test_malformed_parts_name_the_part(served, part, param):
+    http, _, _, _ = served
+    body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert f"{param}: " in r.json()["error"]["message"]

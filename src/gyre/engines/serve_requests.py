@@ -14,7 +14,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
 
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
@@ -104,33 +112,42 @@ class CompletionBody(_Body):
     skip_special_tokens: bool = True
 
 
-class TextPart(_Body):
-    """One part of a list ``content``; only text parts (``{"type": "text", "text": ...}``)."""
-
-    type: Literal["text"]
-    text: str
-
-
 class ImageUrl(_Body):
     url: str  # a data:image/...;base64,... URI (gyre serve fetches no URLs)
     detail: str | None = None
 
 
-class ImageUrlPart(_Body):
-    """An image part, OpenAI's form: ``{"type": "image_url", "image_url": {"url": ...}}``."""
+class Part(_Body):
+    """One part of a list ``content``: ``{"type": "text", "text": ...}``, or an image in
+    OpenAI's form, ``{"type": "image_url", "image_url": {"url": ...}}`` (one model, so a bad
+    part's error names ``messages.0.content.1.image_url.url``, not a union member)."""
 
-    type: Literal["image_url"]
-    image_url: ImageUrl
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+    @model_validator(mode="after")
+    def _has_its_field(self) -> Part:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a part of type {self.type!r} needs a {self.type!r} field")
+        return self
 
 
-Part = Annotated[TextPart | ImageUrlPart, Discriminator("type")]
+def _content_kind(v: Any) -> str:
+    return "text" if isinstance(v, str) else ""  # "": no union member in an error's location
+
+
+Content = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[Part], Tag("")],
+    Discriminator(_content_kind),
+]
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # Text parts alone are joined with "\n", as vLLM does; with an image part the parts go to
     # the chat template as they are (gyre.engines.serve_images).
-    content: str | list[Part] | None = None
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: str | None = None
@@ -223,7 +240,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One line naming every bad field (``prompt: Field required; ...``) and the first field."""
     parts, param = [], None
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "")]
         field = ".".join(loc) or "body"
         param = param or field
         parts.append(f"{field}: {err.get('msg', 'invalid')}")
@@ -270,7 +287,7 @@ def prompts_of(v: Vocab, prompt: Any) -> list[list[int]]:
 
 def _message(m: ChatMessage) -> dict[str, Any]:
     parts = m.content
-    content = parts if isinstance(parts, str) else "\n".join(p.text for p in parts or [])
+    content = parts if isinstance(parts, str) else "\n".join(p.text or "" for p in parts or [])
     msg: dict[str, Any] = {"role": m.role, "content": content}
     for key in ("name", "tool_calls", "tool_call_id"):
         if getattr(m, key) is not None:
