@@ -64,15 +64,15 @@ def test_http_engine_matches_the_in_process_engine_on_visual_turns(vlm_server):
 
 
 def test_gyre_train_over_http_on_an_image_env(vlm_server, tmp_path):
-    """2 GRPO steps, full-weight sync (update_weights_from_disk of a VLM folder): the trainer's
+    """3 GRPO steps, full-weight sync (update_weights_from_disk of a VLM folder): the trainer's
     log-probs of the server's samples equal the server's, so it sampled from the synced policy
     with the same pixels and placeholder runs."""
     srv, folder = vlm_server
     run_dir = tmp_path / "run"
     cfg = load_config(None, [
-        "run.threads=1", "log.console=off", "sft.steps=0", "train.steps=2",
-        "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.05", "train.mini_batches=1",
-        "train.kl_coef=0", "train.sampling.max_new_tokens=4", "eval.episodes=2",
+        "run.threads=1", "log.console=off", "sft.steps=0", "train.steps=3",
+        "train.tasks_per_step=2", "train.group_size=4", "train.lr=0.05", "train.mini_batches=1",
+        "train.kl_coef=0", "train.sampling.max_new_tokens=6", "eval.episodes=2",
         "checkpoint.every=0", "env.name=vision_helpers:ColourEnv", "env.kwargs.turns=2",
         f"model.path={folder}", f"run.dir={run_dir}", "engine.kind=http", "engine.api=sglang",
         f'engine.urls=["{srv.url}"]', f"engine.sync_dir={tmp_path / 'sync'}",
@@ -81,8 +81,10 @@ def test_gyre_train_over_http_on_an_image_env(vlm_server, tmp_path):
     train(cfg)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/loss" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert steps[0]["train/grad_norm"] > 0  # step 2 sampled from changed weights: not vacuous
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    # a later step sampled from changed weights: not vacuous (HTTP rollouts are unseeded, so a
+    # step's groups may all tie; 3 steps x 2 groups of 4 make a signal all but certain)
+    assert any(r["train/grad_norm"] > 0 for r in steps[:-1])
     for r in steps:
         assert r["sync/acks"] == 1.0 and r["policy_version"] == r["step"]
         assert r["train/rollout_logprob_gap"] < 1e-4, r
