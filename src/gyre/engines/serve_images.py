@@ -57,6 +57,11 @@ def chat_ids(
     vision = None
     for i, m in enumerate(messages):
         content = m.content
+        for k, p in enumerate(content if isinstance(content, list) else []):
+            if getattr(p, p.type) is None:
+                field = f"messages.{i}.content.{k}"
+                raise ApiError(400, f"{field}: a part of type {p.type!r} needs a {p.type!r} "
+                               "field", field)  # fmt: skip
         if not isinstance(content, list) or all(p.type == "text" for p in content):
             msgs.append(_message(m))
             continue
