@@ -74,6 +74,33 @@ def test_sglang_generate_parsing():
         _parse_generate({"meta_info": {}}, "u")
 
 
+def test_image_requests_send_image_data_and_check_the_prompt_length():
+    """engine.api=sglang: the ids as they are + the images as PNG data URIs; an answer whose
+    prompt length differs (the server expanded the placeholders otherwise) is an error."""
+    import numpy as np
+
+    from gyre.engines.http_engine import _image_uris
+    from gyre.models.vision import image_from_uri
+
+    engine = HttpEngine(["http://127.0.0.1:9"], model="m", api="sglang")
+    img = np.zeros((4, 6, 3), np.uint8)
+    img[1, 2] = (1, 2, 3)
+    reqs = [GenerationRequest([5, 6], images=[img, img]), GenerationRequest([5])]
+    uris = _image_uris(reqs)
+    assert uris[1] == [] and uris[0][0] == uris[0][1]
+    body = engine._body([5, 6], SamplingParams(), 0, uris[0])
+    assert body["input_ids"] == [5, 6] and len(body["image_data"]) == 2
+    assert np.array_equal(image_from_uri(body["image_data"][0], "x"), img)
+    assert "image_data" not in engine._body([5], SamplingParams(), 1, [])
+    engine.close()
+    answer = {"meta_info": {"prompt_tokens": 10, "output_token_logprobs": [[-0.5, 7, None]]}}
+    assert _parse_generate(answer, "http://s", 10).token_ids == [7]
+    with pytest.raises(ServerError, match="ran 10 prompt tokens for a prompt of 13 ids"):
+        _parse_generate(answer, "http://s", 13)
+    with pytest.raises(ServerError, match=r"no meta_info\.prompt_tokens"):
+        _parse_generate({"meta_info": {"output_token_logprobs": []}}, "http://s", 3)
+
+
 def test_no_live_server_fails_clearly_after_the_timeout():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     engine = HttpEngine([url], model="m", timeout_s=1.0, health_interval_s=0.1, max_retries=2)

@@ -201,12 +201,14 @@ def test_stepwise_visual_turns_score_like_the_engine(tmp_path_factory):
     assert float(((lp - batch.rollout_logprobs).abs() * batch.loss_mask).max()) < 1e-4
 
 
-def test_http_engine_refuses_images():
+def test_http_engine_sends_images_only_in_the_sglang_dialect():
+    """vLLM's /v1/completions takes token ids without images: refused in one line (images go
+    with engine.api=sglang, tests/integration/test_http_vision.py)."""
     from gyre.engines.http_engine import HttpEngine
 
     engine = HttpEngine(["http://127.0.0.1:9"], model="m")
     req = GenerationRequest([1, 2], images=[square("red", 0)])
-    with pytest.raises(ValueError, match=r"engine\.kind=http does not send images"):
+    with pytest.raises(ValueError, match=r"engine\.api=openai .* takes no images; set engine"):
         engine.generate([req], SamplingParams())
 
 

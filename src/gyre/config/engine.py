@@ -27,7 +27,8 @@ class EngineConfig(_Section):
     api: Literal["openai", "sglang"] = Field(
         "openai",
         description="http: openai = /v1/completions + /v1/load_lora_adapter (vLLM, gyre serve); "
-        "sglang = SGLang's native /generate + /load_lora_adapter.",
+        "sglang = SGLang's native /generate + /load_lora_adapter (SGLang, gyre serve; the one "
+        "that sends a VLM's images: docs/vision.md).",
     )
     api_key: SecretStr = Field(
         SecretStr(""),

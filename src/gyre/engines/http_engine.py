@@ -12,6 +12,10 @@ any server lives. A background thread probes ``/health`` of servers that are out
 answers again is first brought up to the current policy (adapter or full weights) and only then
 put back.
 
+Images (a VLM's ``GenerationRequest.images``) go with ``engine.api=sglang`` only: the ids, which
+already hold each image's expanded run of image tokens, plus ``image_data`` (PNG data URIs) to
+``/generate``; the server's ``meta_info.prompt_tokens`` must equal the prompt's length.
+
 Weight sync is through files on a filesystem every server can read (see
 :mod:`gyre.engines.sync`): :meth:`HttpEngine.load_adapter` loads a peft adapter folder under the
 name ``<prefix>-v<version>`` with ``/v1/load_lora_adapter`` and then requests use that name as
@@ -118,11 +122,15 @@ class HttpEngine:
         for i, r in enumerate(requests):
             if not r.prompt_ids:
                 raise ValueError(f"request {i} has an empty prompt")
-            if r.images:  # token ids alone would drop the pixels: refuse (docs/vision.md)
-                raise ValueError(f"request {i} has images: engine.kind=http does not send "
-                                 "images yet; use engine.kind=torch for VLMs")  # fmt: skip
+            if r.images and self.api != "sglang":  # vLLM's /v1/completions would drop them
+                raise ValueError(
+                    f"request {i} has images: engine.api=openai sends token ids to "
+                    "/v1/completions, which takes no images; set engine.api=sglang (SGLang or "
+                    "gyre serve: ids + image_data, docs/vision.md)"
+                )
+        uris = _image_uris(requests)
         futures = [
-            self._pool.submit(self._complete, r.prompt_ids, params, i)
+            self._pool.submit(self._complete, r.prompt_ids, params, i, uris[i])
             for i, r in enumerate(requests)
         ]
         return [f.result() for f in futures]
@@ -269,9 +277,13 @@ class HttpEngine:
         raise NoServerError(f"no server answered /v1/models within {self.timeout_s}s")
 
     # -- one request ------------------------------------------------------------------------
-    def _body(self, prompt: list[int], params: SamplingParams, index: int) -> dict[str, Any]:
+    def _body(
+        self, prompt: list[int], params: SamplingParams, index: int, images: list[str]
+    ) -> dict[str, Any]:
         if self.api == "sglang":  # SGLang's native /generate: ids in, ids + logprobs out
+            image_data = {"image_data": images} if images else {}
             return {
+                **image_data,
                 "input_ids": list(prompt),
                 "sampling_params": {
                     "max_new_tokens": params.max_new_tokens,
@@ -303,12 +315,14 @@ class HttpEngine:
         # sampling RNG lives in the servers anyway (HTTP rollouts are not bit-reproducible).
         return body
 
-    def _complete(self, prompt: list[int], params: SamplingParams, index: int) -> Completion:
+    def _complete(
+        self, prompt: list[int], params: SamplingParams, index: int, images: list[str]
+    ) -> Completion:
         deadline = time.monotonic() + self.timeout_s
         attempts = 0
         while True:
             s = self._pick(deadline)
-            body = self._body(prompt, params, index)
+            body = self._body(prompt, params, index, images)
             try:
                 route = "/v1/completions" if self.api == "openai" else "/generate"
                 r = self._client.post(f"{s.url}{route}", json=body)
@@ -319,7 +333,7 @@ class HttpEngine:
                 self._done(s, ok=r.status_code == 200)
                 if r.status_code == 200:
                     if self.api == "sglang":
-                        return _parse_generate(r.json(), s.url)
+                        return _parse_generate(r.json(), s.url, len(prompt) if images else None)
                     return _parse_completion(r.json(), s.url)
                 if r.status_code >= 500 or r.status_code == 404:
                     # 404: the server lacks the current adapter (e.g. restarted): resync first.
@@ -446,10 +460,42 @@ def _parse_completion(data: dict[str, Any], url: str) -> Completion:
         raise ServerError(f"{url} returned a malformed completion: {exc!r}") from exc
 
 
-def _parse_generate(data: dict[str, Any], url: str) -> Completion:
-    """SGLang's /generate answer: ``meta_info.output_token_logprobs`` = [[logprob, id, text]]."""
+def _image_uris(requests: list[GenerationRequest]) -> list[list[str]]:
+    """Each request's images as PNG data URIs, each distinct image encoded once."""
+    if not any(r.images for r in requests):
+        return [[] for _ in requests]
+    from gyre.models.vision import image_data_uri, image_key
+
+    done: dict[bytes, str] = {}
+    out = []
+    for r in requests:
+        row = []
+        for img in r.images:
+            key = image_key(img)
+            if key not in done:
+                done[key] = image_data_uri(img)
+            row.append(done[key])
+        out.append(row)
+    return out
+
+
+def _parse_generate(data: dict[str, Any], url: str, prompt_len: int | None = None) -> Completion:
+    """SGLang's /generate answer: ``meta_info.output_token_logprobs`` = [[logprob, id, text]].
+
+    ``prompt_len`` (a request with images): the server re-runs its processor on the prompt, so
+    it must report running exactly that many prompt tokens (``meta_info.prompt_tokens``), or
+    its placeholder expansion differs from the one the trainer scores (docs/vision.md)."""
     try:
         meta = data["meta_info"]
+        ran = meta.get("prompt_tokens")
+        if prompt_len is not None and ran is None:
+            raise ServerError(f"{url} returned no meta_info.prompt_tokens for a prompt with "
+                              "images: its placeholder expansion cannot be checked")  # fmt: skip
+        if prompt_len is not None and ran != prompt_len:
+            raise ServerError(
+                f"{url} ran {ran} prompt tokens for a prompt of {prompt_len} ids with images: "
+                "its image placeholder expansion differs from gyre's (docs/vision.md)"
+            )
         pairs = meta.get("output_token_logprobs")
         if pairs is None:
             raise ServerError(f"{url} returned no output_token_logprobs (send return_logprob)")

@@ -28,6 +28,7 @@ from gyre.checkpoint.files import MANIFEST_FILE, verify_dir
 from gyre.engines.serve_requests import ApiError, Vocab
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.build import load_pretrained
+from gyre.models.vision import checkpoint_state, vision_of
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 # -- checks on a folder of weights ----------------------------------------------------------
@@ -108,11 +109,13 @@ class ModelHost:
         self.model_dir = str(model_dir)
         self.served_name = served_name
         self.tokenizer = tokenizer
-        self.engine = TorchEngine(model, tokenizer.pad_token_id, seed=seed)
+        self.vision = vision_of(tokenizer)  # a VLM's image side (None: a text model)
+        self.engine = TorchEngine(model, tokenizer.pad_token_id, seed=seed, vision=self.vision)
         self.adapters: dict[str, str] = {}
         self.weight_version: str | None = None
-        self.max_model_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-        self.vocab_size = int(model.config.vocab_size)
+        text = model.config.get_text_config()  # a VLM's language model holds these
+        self.max_model_len = int(getattr(text, "max_position_embeddings", 0) or 0)
+        self.vocab_size = int(text.vocab_size)
         self.vocab = Vocab(tokenizer, self.vocab_size, self.max_model_len)
         self._lock = threading.Lock()
 
@@ -191,6 +194,8 @@ class ModelHost:
         loaded = read_safetensors(files, "model_path")
         with self._lock:
             own = self.engine.model.state_dict()
+            if self.vision is not None and any(self._own_key(k, own) is None for k in loaded):
+                loaded = checkpoint_state(folder)  # a VLM folder holds the checkpoint's names
             target: dict[str, torch.Tensor] = {}
             for key, tensor in loaded.items():
                 name = self._own_key(key, own)

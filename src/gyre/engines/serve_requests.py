@@ -105,16 +105,37 @@ class CompletionBody(_Body):
     skip_special_tokens: bool = True
 
 
-class TextPart(_Body):
-    """One part of a list ``content``; only text parts (``{"type": "text", "text": ...}``)."""
+class ImageUrl(_Body):
+    url: str  # a data:image/...;base64,... URI (gyre serve fetches no URLs)
+    detail: str | None = None
 
-    type: Literal["text"]
-    text: str
+
+class Part(_Body):
+    """One part of a list ``content``: ``{"type": "text", "text": ...}``, or an image in
+    OpenAI's form, ``{"type": "image_url", "image_url": {"url": ...}}`` (one model, so a bad
+    part's error names ``messages.0.content.1.image_url.url``, not a union member; the field
+    its type needs is checked by :func:`gyre.engines.serve_images.chat_ids`)."""
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+
+def _content_kind(v: Any) -> str:
+    return "text" if isinstance(v, str) else ""  # "": no union member in an error's location
+
+
+Content = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[Part], Tag("")],
+    Discriminator(_content_kind),
+]
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None  # text parts are joined with "\n", as vLLM does
+    # Text parts alone are joined with "\n", as vLLM does; with an image part the parts go to
+    # the chat template as they are (gyre.engines.serve_images).
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: str | None = None
@@ -166,6 +187,8 @@ class GenerateBody(_Body):
     top_logprobs_num: TopK = 0
     lora_path: str | None = None
     stream: bool = False
+    # the prompt's images as data:image/...;base64,... URIs, one per placeholder, in order
+    image_data: Annotated[list[str], Field(max_length=MAX_SEQUENCES)] | str | None = None
 
 
 class LoadLoraBody(_Body):
@@ -210,7 +233,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One line naming every bad field (``prompt: Field required; ...``) and the first field."""
     parts, param = [], None
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "")]
         field = ".".join(loc) or "body"
         param = param or field
         parts.append(f"{field}: {err.get('msg', 'invalid')}")
@@ -257,7 +280,7 @@ def prompts_of(v: Vocab, prompt: Any) -> list[list[int]]:
 
 def _message(m: ChatMessage) -> dict[str, Any]:
     parts = m.content
-    content = parts if isinstance(parts, str) else "\n".join(p.text for p in parts or [])
+    content = parts if isinstance(parts, str) else "\n".join(p.text or "" for p in parts or [])
     msg: dict[str, Any] = {"role": m.role, "content": content}
     for key in ("name", "tool_calls", "tool_call_id"):
         if getattr(m, key) is not None:
@@ -343,9 +366,9 @@ def check_length(v: Vocab, prompt: list[int], max_new: int) -> None:
 
 
 def requests_of(
-    v: Vocab, prompts: list[list[int]], n: int, max_new: int
+    v: Vocab, prompts: list[list[int]], n: int, max_new: int, images: list[Any] | None = None
 ) -> list[GenerationRequest]:
-    """``n`` requests per prompt, after the length and count checks."""
+    """``n`` requests per prompt (each with ``images``), after the length and count checks."""
     if len(prompts) * n > MAX_SEQUENCES:
         raise ApiError(
             400,
@@ -354,7 +377,9 @@ def requests_of(
         )
     for p in prompts:
         check_length(v, p, max_new)
-    return [GenerationRequest(list(p)) for p in prompts for _ in range(n)]
+    return [
+        GenerationRequest(list(p), images=list(images or [])) for p in prompts for _ in range(n)
+    ]
 
 
 # -- answers ----------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ three:
   ``logprobs: k`` returns the sampled token's logprob (+ the k best), ``return_token_ids: true``
   adds ``token_ids`` / ``prompt_token_ids`` to each choice, ``return_tokens_as_token_ids: true``
   writes tokens as ``"token_id:N"`` (vLLM's fields); ``stop_token_ids`` and ``seed`` as in vLLM.
-- ``POST /v1/chat/completions`` with ``logprobs`` / ``top_logprobs``.
+- ``POST /v1/chat/completions`` with ``logprobs`` / ``top_logprobs``; for a VLM, ``image_url``
+  parts (data URIs) and SGLang's ``/generate`` with ``image_data`` (:mod:`serve_images`).
 - ``GET /v1/models``, ``GET /health``.
 - ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}`` and ``POST /v1/unload_lora_adapter``
   ``{lora_name}`` (vLLM); a loaded adapter is addressed by passing its name as ``model``.
@@ -48,6 +49,7 @@ from gyre.engines.recorder import (
     session_of,
 )
 from gyre.engines.serve_host import Batcher, ModelHost
+from gyre.engines.serve_images import chat_ids, generate_ids
 from gyre.engines.serve_requests import (
     ApiError,
     ChatBody,
@@ -57,7 +59,6 @@ from gyre.engines.serve_requests import (
     UnloadLoraBody,
     UpdateWeightsBody,
     chat_answer,
-    chat_prompt,
     check_containers,
     completion_answer,
     generate_answer,
@@ -315,10 +316,10 @@ def _prepare_chat(
     k = body.top_logprobs or 0
     if k and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    prompt = chat_prompt(host.vocab, body.messages, body.tools)
+    prompt, images = chat_ids(host.vocab, body.messages, body.tools)
     max_new = body.max_completion_tokens or body.max_tokens or 64
     params = sampling_params(host.vocab, body, max_new, k)
-    return model, requests_of(host.vocab, [prompt], body.n, params.max_new_tokens), params
+    return model, requests_of(host.vocab, [prompt], body.n, params.max_new_tokens, images), params
 
 
 def _prepare_generate(
@@ -328,10 +329,10 @@ def _prepare_generate(
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", "input_ids")
     model = host.check_model(host.served_name if body.lora_path is None else body.lora_path)
-    prompts = prompts_of(host.vocab, body.text if body.input_ids is None else body.input_ids)
+    prompts, images = generate_ids(host.vocab, body)
     sp = body.sampling_params
     params = sampling_params(host.vocab, sp, sp.max_new_tokens, body.top_logprobs_num)
-    return model, requests_of(host.vocab, prompts, 1, params.max_new_tokens), params
+    return model, requests_of(host.vocab, prompts, 1, params.max_new_tokens, images), params
 
 
 def _generation_routes(

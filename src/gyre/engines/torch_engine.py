@@ -144,12 +144,9 @@ class TorchEngine:
         if hasattr(self.model, "peft_config"):
             raise ValueError("this engine holds a LoRA adapter: sync it with load_adapter")
         if self.vision is not None and any(k not in own for k in state):
-            # VLM folders are written with the checkpoint's key names (Qwen-VL: "visual.",
-            # "model.layers."), which transformers maps on load: load them the same way.
-            from transformers import AutoModelForImageTextToText
+            from gyre.models.vision import checkpoint_state
 
-            state = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-            state = {k: v.to(self.device) for k, v in state.state_dict().items()}
+            state = {k: v.to(self.device) for k, v in checkpoint_state(path).items()}
         missing = [k for k in state if k not in own]
         if missing:
             raise ValueError(f"weights in '{path}' do not fit the engine's model: {missing[:3]}")

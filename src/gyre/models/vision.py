@@ -69,6 +69,64 @@ def to_image(image: Any, where: str = "image") -> np.ndarray:
     return np.ascontiguousarray(image)
 
 
+_DATA_URI = "data:image/"
+MAX_IMAGE_PIXELS = 1 << 24  # 16.8 MP: a few MiB of PNG can hold a gigapixel image
+
+
+def _pil(where: str) -> Any:
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise ImportError(
+            f"{where}: images over HTTP need Pillow: pip install 'gyre[vision]'"
+        ) from exc
+    return Image
+
+
+def image_data_uri(image: np.ndarray) -> str:
+    """An HxWx3 uint8 array as ``data:image/png;base64,...``: lossless, so the server decodes
+    the very pixels (and its image processor the very ``pixel_values``) the trainer uses."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    _pil("image_data_uri").fromarray(to_image(image)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def image_from_uri(uri: Any, where: str) -> np.ndarray:
+    """A ``data:image/...;base64,...`` URI -> an HxWx3 uint8 array; anything else (a URL, a
+    path, bad base64, bytes that are not an image) is a ValueError naming ``where``."""
+    import base64
+    import binascii
+    import io
+
+    if not isinstance(uri, str) or not uri.startswith(_DATA_URI):
+        shown = repr(uri)[:60]
+        raise ValueError(
+            f"{where}: expected a data:image/...;base64,... URI, got {shown} (gyre fetches no "
+            "URLs or files)"
+        )
+    head, sep, data = uri.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise ValueError(f"{where}: a data URI must be base64 (data:image/png;base64,...)")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{where}: invalid base64 in the data URI ({exc})") from None
+    Image = _pil(where)
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise ValueError(
+                    f"{where}: a {img.width}x{img.height} image is over {MAX_IMAGE_PIXELS} pixels"
+                )
+            img.load()
+            return to_image(img, where)
+    except (OSError, Image.DecompressionBombError) as exc:  # UnidentifiedImageError is OSError
+        raise ValueError(f"{where}: the data URI is not a readable image ({exc})") from None
+
+
 def image_key(image: np.ndarray) -> bytes:
     """A content hash of an image (shape + bytes): equal keys, equal pixels."""
     h = hashlib.blake2b(digest_size=16)
@@ -383,6 +441,16 @@ def load_vlm(path: str | Path, device: torch.device) -> tuple[torch.nn.Module, A
     model = AutoModelForImageTextToText.from_pretrained(Path(path), dtype=torch.float32)
     _, tokenizer = load_vision(path, model.config)
     return model.to(device), tokenizer
+
+
+def checkpoint_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict (the model's own key names, fp32, CPU) of a VLM folder. VLM folders are
+    written with the checkpoint's key names (Qwen-VL: ``visual.``, ``model.layers.``), which
+    transformers maps on load: load them the same way."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(Path(path), dtype=torch.float32)
+    return dict(model.state_dict())
 
 
 def vision_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
