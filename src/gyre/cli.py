@@ -133,6 +133,10 @@ def _submit(ns: argparse.Namespace) -> int:
     return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
 
 
+def _cell(e: dict, key: str, fmt: str) -> str:
+    return fmt.format(e[key]) if key in e else "-"
+
+
 def _table(rows: list[tuple[str, dict]]) -> str:
     from rich.table import Table
 
@@ -142,9 +146,9 @@ def _table(rows: list[tuple[str, dict]]) -> str:
     for name, e in rows:
         t.add_row(
             name,
-            f"{e.get('eval/success_greedy', float('nan')):.1%}",
-            f"{e.get('eval/success_sampled', float('nan')):.1%}",
-            f"{e.get('eval/moves_greedy', float('nan')):.2f}",
+            _cell(e, "eval/success_greedy", "{:.1%}"),
+            _cell(e, "eval/success_sampled", "{:.1%}"),  # none for the demonstrator
+            _cell(e, "eval/moves_greedy", "{:.2f}"),
         )
     return t
 
