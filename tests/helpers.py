@@ -17,7 +17,10 @@ def train_cfg(**overrides: object) -> TrainConfig:
     """A validated ``TrainConfig`` from flat keys: ``train.*`` fields by name, ``train.algo.*``
     fields by name (``old_logprobs=...``), ``train.sampling.*`` ones (``temperature=...``).
     Everything not passed keeps the config default (``mini_batches=4``,
-    ``loss_agg='seq-mean-token-mean'``, ``old_logprobs='auto'``, ...)."""
+    ``loss_agg='seq-mean-token-mean'``, ``old_logprobs='auto'``, ...), except two that the
+    embedded maze default sets for its own sake: the plain update these tests compute by hand
+    has ``temperature=1.0`` and ``skip_zero_advantage=False`` unless a test passes them."""
+    overrides = {"temperature": 1.0, "skip_zero_advantage": False, **overrides}
     data: dict[str, dict[str, object]] = {"algo": {}, "sampling": {}}
     for key, value in overrides.items():
         if key in AlgoConfig.model_fields:

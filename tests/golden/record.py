@@ -26,7 +26,7 @@ ROOT = HERE.parents[1]
 # name -> (config file or None for the built-in default, overrides)
 RUNS: dict[str, tuple[str | None, list[str]]] = {
     "maze": (
-        None,
+        "tests/golden/maze_session6.yaml",
         [
             "sft.steps=3",
             "sft.demos=200",

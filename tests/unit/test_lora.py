@@ -113,6 +113,7 @@ def test_full_weight_disk_sync_into_torch_engine(make_tiny_model, tokenizer, tmp
 
 
 TINY = [
+    "train.lr_schedule=constant",  # the resume below extends train.steps: a decay would differ
     "model.hidden_size=32",
     "model.num_layers=2",
     "model.intermediate_size=64",

@@ -171,7 +171,9 @@ def test_same_moves_same_rewards_as_the_text_maze():
     )
     m = cfg.env.maze
     visual = env_factory(cfg.env)()
-    text = MazeEnv(m.size, m.wall_density, m.min_distance, m.budget_factor)
+    text = MazeEnv(
+        m.size, m.wall_density, m.min_distance, m.budget_factor, demonstrator=m.demonstrator
+    )
     for seed in [*range(40), *range(HELD_OUT, HELD_OUT + 10)]:
         ep_v = _play(visual, seed, noise=0.4, rng_seed=seed)
         ep_t = _play(text, seed, noise=0.4, rng_seed=seed)
@@ -180,7 +182,7 @@ def test_same_moves_same_rewards_as_the_text_maze():
 
 
 def test_demonstrator_success_rate_equals_the_text_maze():
-    visual, text = _make()(), MazeEnv()
+    visual, text = _make("env.maze.demonstrator=shortest")(), MazeEnv()
     for noise in (0.0, 0.5):
         rates = []
         for env in (visual, text):

@@ -18,7 +18,7 @@ from gyre.config.base import (
 
 class SamplingConfig(_Section):
     temperature: float = Field(
-        1.0, ge=0.0, description="Sampling temperature; 0 is greedy, else at least 0.01."
+        0.6, ge=0.0, description="Sampling temperature; 0 is greedy, else at least 0.01."
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(4, gt=0, description="Most tokens the policy may write per turn.")
@@ -32,12 +32,12 @@ class SamplingConfig(_Section):
 
 
 class SFTConfig(_Section):
-    steps: int = Field(600, ge=0, description="SFT optimizer steps; 0 skips SFT.")
+    steps: int = Field(150, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
     lr: float = Field(3e-3, gt=0, le=MAX_LR, description="SFT AdamW learning rate, in (0, 1].")
     warmup_steps: int = Field(10, ge=0, description="Linear LR warmup steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="LR after warmup: constant, or linear / cosine decay to the end."
+        "cosine", description="LR after warmup: constant, or linear / cosine decay to the end."
     )
     min_lr_ratio: float = Field(
         0.0, ge=0, le=1, description="linear / cosine: the last LR as a fraction of sft.lr."
@@ -51,6 +51,13 @@ class SFTConfig(_Section):
 class AlgoConfig(_Section):
     """The RL algorithm beyond GRPO's defaults; every formula is in docs/algorithms.md."""
 
+    @property
+    def discount(self) -> float:
+        """``gamma``, or the estimator's usual discount when it is null (0.95 for gigpo)."""
+        if self.gamma is not None:
+            return self.gamma
+        return 0.95 if self.advantage == "gigpo" else 1.0
+
     advantage: Literal[
         "grpo",
         "dr_grpo",
@@ -60,7 +67,7 @@ class AlgoConfig(_Section):
         "gae",
         "gigpo",
         "turn_returns",
-    ] = Field("grpo", description="Advantage estimator (verl: adv_estimator).")
+    ] = Field("gigpo", description="Advantage estimator (verl: adv_estimator).")
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "reinforce"] = Field(
         "ppo_clip", description="Per-token policy loss; gspo wants clip_eps ~3e-4."
     )
@@ -94,17 +101,18 @@ class AlgoConfig(_Section):
         "else current detached; rollout = engine log-probs.",
     )
     skip_zero_advantage: bool = Field(
-        False,
+        True,
         description="Leave rows whose advantage is 0 everywhere out of the update's forward/"
         "backward (their gradient is exactly 0; loss weights keep the whole step's counts).",
     )
-    gamma: float = Field(
-        1.0,
+    gamma: float | None = Field(
+        None,
         ge=0,
         le=1,
         description="Discount (reinforce_pp, gae: per policy token; gigpo, turn_returns: per "
-        "turn; GiGPO's paper uses 0.95).",
+        "turn); null = the estimator's usual value: 0.95 for gigpo (its paper's), else 1.0.",
     )
+
     gigpo_step_weight: float = Field(
         1.0, ge=0, description="gigpo: weight w of the anchor-state step advantage (A^E + w A^S)."
     )
@@ -183,13 +191,13 @@ class LevelReplayConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = Field(60, ge=0, description="GRPO steps (rollout + update each).")
-    tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
+    tasks_per_step: int = Field(32, gt=0, description="Distinct tasks (prompts) per GRPO step.")
     group_size: int = Field(
         8, ge=2, description="Samples per task (G) for group-relative advantages."
     )
     lr: float = Field(3e-4, gt=0, le=MAX_LR, description="GRPO AdamW learning rate, in (0, 1].")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant",
+        "linear",
         description="GRPO LR after warmup: constant, or linear / cosine decay over train.steps "
         "(stepped once per GRPO step).",
     )

@@ -144,7 +144,7 @@ class Trainer:
         )
         adv, adv_m = batch_advantages(
             algo.advantage, shaped, groups, batch, train,
-            eps=cfg.train.adv_eps, gamma=algo.gamma, lam=algo.lam, episodes=episodes,
+            eps=cfg.train.adv_eps, gamma=algo.discount, lam=algo.lam, episodes=episodes,
             **_estimator_kw(algo, trajs),
         )  # fmt: skip
         m.update(adv_m)

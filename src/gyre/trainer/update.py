@@ -275,7 +275,7 @@ def batch_advantages(
         token_rewards=token_rewards,
         values=batch.extras.get("values"),
         eps=train.adv_eps if eps is None else eps,
-        gamma=train.algo.gamma if gamma is None else gamma,
+        gamma=train.algo.discount if gamma is None else gamma,
         lam=train.algo.lam if lam is None else lam,
         **estimator,
     )
