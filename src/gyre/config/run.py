@@ -11,6 +11,7 @@ from pydantic import (
     model_validator,
 )
 
+from gyre.config.adapters import GymnasiumConfig, ReasoningGymConfig
 from gyre.config.base import (
     _DEVICE_RE,
     SEED_LIMIT,
@@ -136,7 +137,14 @@ class ArithmeticConfig(_Section):
 
 class DatasetConfig(_Section):
     path: str = Field(
-        "", description='JSONL file, one task a line: {"prompt": ..., "answer": ..., ...}.'
+        "",
+        description='Tasks: a JSONL file, one task a line ({"prompt": ..., "answer": ..., ...}), '
+        "a Parquet file, an Arrow file, or a folder saved by datasets' save_to_disk.",
+    )
+    format: Literal["auto", "jsonl", "parquet", "arrow"] = Field(
+        "auto",
+        description="auto: by extension (.jsonl/.json: gyre's reader; .parquet; .arrow or a "
+        "folder: Arrow), read through Hugging Face datasets except jsonl.",
     )
     prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
     answer_field: str = Field(
@@ -147,13 +155,14 @@ class DatasetConfig(_Section):
     )
 
 
-BUILTIN_ENVS = ("maze", "arithmetic", "dataset")
+BUILTIN_ENVS = ("maze", "arithmetic", "dataset", "gymnasium", "reasoning_gym")
 
 
 class EnvConfig(_Section):
     name: str = Field(
         "maze",
-        description="A built-in env (maze, arithmetic, dataset), a name given to "
+        description="A built-in env (maze, arithmetic, dataset, gymnasium, reasoning_gym), a "
+        "name given to "
         "gyre.envs.register, an import path 'module:Class' or a file path 'envs.py:Class' "
         "(docs/envs.md).",
     )
@@ -167,7 +176,14 @@ class EnvConfig(_Section):
         default_factory=ArithmeticConfig, description="Arithmetic settings."
     )
     dataset: DatasetConfig = Field(
-        default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
+        default_factory=DatasetConfig,
+        description="Prompt-dataset (JSONL / JSON / Parquet / Arrow) settings.",
+    )
+    gymnasium: GymnasiumConfig = Field(
+        default_factory=GymnasiumConfig, description="gymnasium adapter settings."
+    )
+    reasoning_gym: ReasoningGymConfig = Field(
+        default_factory=ReasoningGymConfig, description="reasoning-gym adapter settings."
     )
 
     @field_validator("name")
