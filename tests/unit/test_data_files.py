@@ -121,5 +121,5 @@ def test_unreadable_and_missing_files(tmp_path: Path) -> None:
 
 
 def test_config_refuses_an_unknown_format() -> None:
-    with pytest.raises(ConfigError, match="env.dataset.format"):
+    with pytest.raises(ConfigError, match=r"env\.dataset\.format"):
         load_config(None, ["env.name=dataset", "env.dataset.format=csv"])

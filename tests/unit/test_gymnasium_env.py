@@ -171,9 +171,9 @@ def test_errors_are_one_line_and_name_the_key() -> None:
 
 
 def test_config_refuses_render_mode_and_bad_renderer() -> None:
-    with pytest.raises(ConfigError, match="env.gymnasium.make_kwargs"):
+    with pytest.raises(ConfigError, match=r"env\.gymnasium\.make_kwargs"):
         load_config(None, ["env.name=gymnasium", "env.gymnasium.make_kwargs={render_mode: ansi}"])
-    with pytest.raises(ConfigError, match="env.gymnasium.renderer"):
+    with pytest.raises(ConfigError, match=r"env\.gymnasium\.renderer"):
         load_config(None, ["env.name=gymnasium", "env.gymnasium.renderer=pretty"])
-    with pytest.raises(ConfigError, match="env.gymnasium.action_names"):
+    with pytest.raises(ConfigError, match=r"env\.gymnasium\.action_names"):
         load_config(None, ["env.name=gymnasium", "env.gymnasium.action_names=[a, A]"])
