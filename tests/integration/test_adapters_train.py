@@ -90,14 +90,15 @@ def test_gymnasium_frozen_lake_train_then_eval(tmp_path: Path) -> None:
     pytest.importorskip("gymnasium", reason="the gymnasium extra is not installed")
     run_dir = tmp_path / "run"
     cfg = str(ROOT / "examples" / "frozenlake" / "config.yaml")
-    assert main(["train", cfg, *TINY, f"run.dir={run_dir}", "train.algo.advantage=gigpo"]) == 0
+    extra = ["train.algo.advantage=gigpo", "env.gymnasium.max_steps=4"]
+    assert main(["train", cfg, *TINY, f"run.dir={run_dir}", *extra]) == 0
     train = _train_records(run_dir)
     assert [r["step"] for r in train] == [1, 2] and train[0]["rollout/turns_mean"] > 1
     eval_dir = tmp_path / "eval"
     # the env comes from final/gyre_env.json (what the model was trained on)
     assert main(["eval", f"model.path={run_dir}/final", f"run.dir={eval_dir}", *TINY[-3:]]) == 0
     res = json.loads((eval_dir / "eval.json").read_text())
-    assert 0.0 <= res["success_greedy"] <= 1.0
+    assert 0.0 <= res["eval/success_greedy"] <= 1.0 and res["eval/moves_greedy"] > 1
 
 
 def test_reasoning_gym_train(tmp_path: Path) -> None:
@@ -164,21 +165,54 @@ def test_grpo_raises_frozen_lake_success(tmp_path: Path) -> None:
     assert after > before + 0.1, (before, after)
 
 
-SPELL = [
-    "env.reasoning_gym.dataset=spell_backward",
-    "env.reasoning_gym.kwargs={min_word_len: 3, max_word_len: 3}",
-    "env.reasoning_gym.size=500",
-    "train.sampling.max_new_tokens=5",
-]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], SPELL], ids=["basic_arithmetic", "spell_backward"])
-def test_grpo_raises_reasoning_gym_score(tmp_path: Path, extra: list[str]) -> None:
-    """examples/reasoning-gym/config.yaml (1-digit sums), and spell_backward on 3-letter words."""
+def test_grpo_raises_reasoning_gym_score(tmp_path: Path) -> None:
+    """examples/reasoning-gym/config.yaml as it is (basic_arithmetic, 1-digit sums). The second
+    dataset tried, spell_backward on 3-letter words, is not learnt by the tiny char model in
+    minutes (0.0 % -> 0.5 %, docs/envs.md), so it has no test that claims it."""
     pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not installed")
     run_dir = tmp_path / "run"
     cfg = str(ROOT / "examples" / "reasoning-gym" / "config.yaml")
-    assert main(["train", cfg, *LEARN, *extra, f"run.dir={run_dir}"]) == 0
+    assert main(["train", cfg, *LEARN, f"run.dir={run_dir}"]) == 0
     before, after = _eval_before_after(run_dir)
-    assert after > before, (before, after)
+    assert after > before + 0.03, (before, after)
+
+
+# -- with a byte-level BPE tokenizer and a real chat template (as a user's model would be) -----
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # reasoning-gym in message mode: the prompt goes through ChatML, the reply through the tag
+        [
+            "env.name=reasoning_gym",
+            "env.reasoning_gym.messages=true",
+            "env.reasoning_gym.size=20",
+            "env.reasoning_gym.eval_size=10",
+            "env.reasoning_gym.prompt_template=Answer in <answer></answer>. {question}",
+        ],
+        # gymnasium in raw text with the BPE tokenizer (the newline is not one token there)
+        [
+            "env.name=gymnasium",
+            "env.gymnasium.make_kwargs={is_slippery: false}",
+            "env.gymnasium.max_steps=3",
+        ],
+    ],
+    ids=["reasoning_gym_chat", "gymnasium_bpe"],
+)
+def test_adapters_with_a_chat_tokenizer(tmp_path: Path, extra: list[str]) -> None:
+    pytest.importorskip("gymnasium" if "gymnasium" in extra[0] else "reasoning_gym")
+    from chat_helpers import build_chat_model, build_chat_tokenizer
+
+    tok = build_chat_tokenizer("chatml")
+    build_chat_model(tok, "qwen2", seed=0).save_pretrained(tmp_path / "init")
+    tok.save_pretrained(tmp_path / "init")
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tmp_path / 'init'}", f"run.dir={run_dir}", "sft.steps=0"]
+    args += ["train.sampling.max_new_tokens=8", *TINY[6:], *extra]
+    assert main(["train", *args]) == 0
+    train = _train_records(run_dir)
+    assert [r["step"] for r in train] == [1, 2]
+    if "env.reasoning_gym.messages=true" in extra:
+        assert train[0]["rollout/template_drift"] == 0.0  # ChatML is prefix-stable
