@@ -123,3 +123,26 @@ def test_unreadable_and_missing_files(tmp_path: Path) -> None:
 def test_config_refuses_an_unknown_format() -> None:
     with pytest.raises(ConfigError, match=r"env\.dataset\.format"):
         load_config(None, ["env.name=dataset", "env.dataset.format=csv"])
+
+
+@pytest.mark.parametrize(
+    ("module", "cfg", "message"),
+    [
+        ("gymnasium", {"name": "gymnasium"}, "pip install 'gyre[gymnasium]'"),
+        ("reasoning_gym", {"name": "reasoning_gym"}, "pip install 'gyre[reasoning-gym]'"),
+        (
+            "datasets",
+            {"name": "dataset", "dataset": {"path": "PATH"}},
+            "env.dataset.format=parquet needs the Hugging Face datasets package: "
+            "pip install 'gyre[datasets]'",
+        ),
+    ],
+)
+def test_a_missing_extra_is_one_line(tmp_path: Path, monkeypatch, module, cfg, message) -> None:
+    path = _write_all(tmp_path, ROWS)["parquet"]
+    if "dataset" in cfg:
+        cfg = {**cfg, "dataset": {"path": str(path)}}
+    monkeypatch.setitem(__import__("sys").modules, module, None)  # import now raises
+    with pytest.raises(InputError) as exc:
+        env_factory(EnvConfig.model_validate(cfg))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
