@@ -73,8 +73,9 @@ def load_tasks(
             )
     if len(ds) == 0:
         raise InputError(f"env.dataset.path '{p}' holds no rows")
+    # Task.line is 1-based (gyre.rollout.context names a too-long prompt as `file:line`)
     return [
-        task_from_row(row, f"{p}[row {i}]", i, prompt_field, answer_field)
+        task_from_row(row, f"{p}[row {i}]", i + 1, prompt_field, answer_field)
         for i, row in enumerate(ds.to_list())
     ]
 
