@@ -165,17 +165,10 @@ def test_grpo_raises_frozen_lake_success(tmp_path: Path) -> None:
     assert after > before + 0.1, (before, after)
 
 
-@pytest.mark.slow
-def test_grpo_raises_reasoning_gym_score(tmp_path: Path) -> None:
-    """examples/reasoning-gym/config.yaml as it is (basic_arithmetic, 1-digit sums). The second
-    dataset tried, spell_backward on 3-letter words, is not learnt by the tiny char model in
-    minutes (0.0 % -> 0.5 %, docs/envs.md), so it has no test that claims it."""
-    pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not installed")
-    run_dir = tmp_path / "run"
-    cfg = str(ROOT / "examples" / "reasoning-gym" / "config.yaml")
-    assert main(["train", cfg, *LEARN, f"run.dir={run_dir}"]) == 0
-    before, after = _eval_before_after(run_dir)
-    assert after > before + 0.03, (before, after)
+# No learning test for reasoning-gym: on held-out questions that are never training questions,
+# GRPO on the tiny char model does not raise the score reliably (seed 0: 7.0 -> 13.5 %, seed 1:
+# 20.5 -> 2.5 %; every run measured is in docs/envs.md). The reward is the dataset's own scorer
+# (tests/unit/test_reasoning_gym_env.py) and the env trains (test_reasoning_gym_train).
 
 
 # -- with a byte-level BPE tokenizer and a real chat template (as a user's model would be) -----
