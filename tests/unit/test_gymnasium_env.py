@@ -155,6 +155,12 @@ def test_plugin_renderer(tmp_path) -> None:
     (tmp_path / "render.py").write_text("def cell(env, obs):\n    return f'cell {obs}'\n")
     env = _env(renderer=f"{tmp_path}/render.py:cell", list_actions=False)
     assert env.reset(0) == "cell 0\n>"
+    # a relative file path is resolved against the config file's folder, as env.name is
+    (tmp_path / "c.yaml").write_text(
+        "env: {name: gymnasium, gymnasium: {renderer: render.py:cell}}"
+    )
+    cfg = load_config(str(tmp_path / "c.yaml"), [])
+    assert cfg.env.gymnasium.renderer == f"{tmp_path / 'render.py'}:cell"
 
 
 def test_errors_are_one_line_and_name_the_key() -> None:

@@ -152,7 +152,7 @@ class GymnasiumEnv:
     def __init__(self, cfg: GymnasiumConfig, renderer: str, names: list[str]) -> None:
         self.cfg = cfg
         self.renderer_name = renderer
-        self.render_fn = RENDERERS.get(renderer) or _plugin_renderer(renderer)
+        self.render_fn = RENDERERS.get(renderer) or _plugin_renderer(renderer)  # cached import
         self.names = names
         self.gym: Any = None if cfg.random_map_size else make_gym(cfg, renderer)
         self.obs: Any = None
