@@ -75,6 +75,11 @@ def test_format_key_overrides_the_extension(tmp_path: Path) -> None:
         load_tasks(odd, "auto", "question", "solution")
     assert len(load_tasks(odd, "parquet", "question", "solution")) == 3
     assert file_format(tmp_path / "x.JSONL") == "jsonl"
+    json_path = _write_all(tmp_path, ROWS)["json"]
+    renamed = tmp_path / "rows.txt"
+    renamed.write_text(json_path.read_text())
+    cfg = load_config(None, ["env.name=dataset", "env.dataset.format=json"]).env.dataset
+    assert len(load_tasks(renamed, cfg.format, "question", "solution")) == 3
 
 
 @pytest.mark.parametrize("kind", ["json", "parquet", "arrow", "folder"])

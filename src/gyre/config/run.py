@@ -139,12 +139,12 @@ class DatasetConfig(_Section):
     path: str = Field(
         "",
         description='Tasks: a JSONL file, one task a line ({"prompt": ..., "answer": ..., ...}), '
-        "a Parquet file, an Arrow file, or a folder saved by datasets' save_to_disk.",
+        "a JSON, Parquet or Arrow file, or a folder saved by datasets' save_to_disk.",
     )
-    format: Literal["auto", "jsonl", "parquet", "arrow"] = Field(
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow"] = Field(
         "auto",
-        description="auto: by extension (.jsonl/.json: gyre's reader; .parquet; .arrow or a "
-        "folder: Arrow), read through Hugging Face datasets except jsonl.",
+        description="auto: by extension. .jsonl: gyre's own reader (errors name file:line); "
+        ".json, .parquet, .arrow or a save_to_disk folder: Hugging Face datasets.",
     )
     prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
     answer_field: str = Field(
