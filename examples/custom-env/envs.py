@@ -14,7 +14,7 @@ class HigherLower:
 
     def step(self, action: str) -> tuple[str, float, bool, dict]:
         self.turns += 1
-        guess = int(action) if action.strip().isdigit() else -1  # unparsable: a wasted turn
+        guess = int(action) if action.strip().isdecimal() else -1  # unparsable: a wasted turn
         won, low = guess == self.target, guess < self.target
         if 0 <= guess and low:  # what the hints so far rule out (the expert's interval)
             self.lo = max(self.lo, guess + 1)

@@ -37,6 +37,7 @@ def _env(**section: object):
         ("go left", None),  # a sentence is not an action
         ("lef", None),
         ("x", None),
+        ("²", None),  # a digit to str.isdigit, not a number to int()
     ],
 )
 def test_parse_action_hand_cases(text: str, expected: int | None) -> None:

@@ -83,7 +83,7 @@ def parse_action(text: str, names: list[str]) -> int | None:
     t = text.strip().lower().removesuffix(".").strip()
     if t in names:
         return names.index(t)
-    if t.isdigit() and int(t) < len(names):
+    if t.isdecimal() and int(t) < len(names):
         return int(t)
     if len(t) == 1:
         hits = [i for i, n in enumerate(names) if n[0] == t]
