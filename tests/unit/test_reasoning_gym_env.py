@@ -8,7 +8,7 @@ import pytest
 
 from gyre.config import ConfigError, EnvConfig, load_config
 from gyre.envs import env_factory
-from gyre.envs.base import is_message_env
+from gyre.envs.base import Demonstrator, is_message_env
 from gyre.errors import InputError
 
 rg = pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not installed")
@@ -103,6 +103,9 @@ def test_demonstrator_writes_the_format() -> None:
 def test_message_mode() -> None:
     env = _env(messages=True, prompt_template="Q: {question}")
     assert is_message_env(env)
+    # SFT demonstrations are raw text: the message env offers none, so sft.steps>0 is refused
+    # in one line (gyre.trainer.warmstart) instead of failing inside the demonstrations
+    assert not isinstance(env, Demonstrator) and isinstance(_env(), Demonstrator)
     msgs = env.reset(1)
     assert msgs == [{"role": "user", "content": "Q: " + env.entry["question"]}]
     new, r, done, _ = env.step(f"<answer>{env.entry['answer']}</answer>")

@@ -91,7 +91,7 @@ def load_items(cfg: ReasoningGymConfig) -> Items:
     return Items(train, held, train_items, eval_items, len(eval_all) - len(eval_items))
 
 
-class ReasoningGymEnv:
+class _ReasoningGymBase:
     """One reasoning-gym item per episode (see the module docstring)."""
 
     def __init__(self, cfg: ReasoningGymConfig, items: Items) -> None:
@@ -126,6 +126,10 @@ class ReasoningGymEnv:
         info = {"success": score >= 1.0, "moves": 1, "malformed": answer is None, "task": task}
         return score, info
 
+
+class ReasoningGymEnv(_ReasoningGymBase):
+    """The raw-text env; it demonstrates (the reference answer) for SFT."""
+
     def step(self, action: str) -> tuple[Any, float, bool, dict[str, Any]]:
         score, info = self.score(action)
         return "", score, True, info
@@ -145,8 +149,9 @@ class ReasoningGymEnv:
         return str(other["answer"])
 
 
-class ReasoningGymMessageEnv(ReasoningGymEnv):
-    """The same env in message mode: the prompt is one user message."""
+class ReasoningGymMessageEnv(_ReasoningGymBase):
+    """The same env in message mode: the prompt is one user message. It has no demonstrator:
+    gyre's SFT demonstrations are raw text, so ``sft.steps`` must be 0 (the run says so)."""
 
     message_mode = True
 
@@ -158,7 +163,7 @@ class ReasoningGymMessageEnv(ReasoningGymEnv):
         return [], score, True, info
 
 
-def reasoning_gym_factory(cfg: ReasoningGymConfig) -> Callable[[], ReasoningGymEnv]:
+def reasoning_gym_factory(cfg: ReasoningGymConfig) -> Callable[[], _ReasoningGymBase]:
     """Build both instances once (shared by every episode of the process), then envs."""
     items = load_items(cfg)
     cls = ReasoningGymMessageEnv if cfg.messages else ReasoningGymEnv
