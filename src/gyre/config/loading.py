@@ -160,13 +160,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _absolute_file_specs(cfg: Config, bases: list[Path]) -> None:
-    """Make ``file.py:attr`` specs (env.name, reward.functions[*].fn) absolute: relative to the
-    config file's folder when the file is there, else to the current directory."""
+    """Make ``file.py:attr`` specs (env.name, env.gymnasium.renderer, reward.functions[*].fn)
+    absolute: relative to the config file's folder when the file is there, else to the current
+    directory."""
     from gyre.plugins import PluginError, absolute_spec
 
     try:
         if ":" in cfg.env.name:
             cfg.env.name = absolute_spec(cfg.env.name, "env.name", bases)
+        if ":" in cfg.env.gymnasium.renderer:
+            key = "env.gymnasium.renderer"
+            cfg.env.gymnasium.renderer = absolute_spec(cfg.env.gymnasium.renderer, key, bases)
         for i, f in enumerate(cfg.reward.functions):
             f.fn = absolute_spec(f.fn, f"reward.functions.{i}.fn", bases)
     except PluginError as exc:

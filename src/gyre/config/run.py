@@ -11,6 +11,7 @@ from pydantic import (
     model_validator,
 )
 
+from gyre.config.adapters import GymnasiumConfig, ReasoningGymConfig
 from gyre.config.base import (
     _DEVICE_RE,
     SEED_LIMIT,
@@ -161,7 +162,14 @@ class ArithmeticConfig(_Section):
 
 class DatasetConfig(_Section):
     path: str = Field(
-        "", description='JSONL file, one task a line: {"prompt": ..., "answer": ..., ...}.'
+        "",
+        description='Tasks: a JSONL file, one task a line ({"prompt": ..., "answer": ..., ...}), '
+        "a JSON, Parquet or Arrow file, or a folder saved by datasets' save_to_disk.",
+    )
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow"] = Field(
+        "auto",
+        description="auto: by extension. .jsonl: gyre's own reader (errors name file:line); "
+        ".json, .parquet, .arrow or a save_to_disk folder: Hugging Face datasets.",
     )
     prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
     answer_field: str = Field(
@@ -172,14 +180,17 @@ class DatasetConfig(_Section):
     )
 
 
-BUILTIN_ENVS = ("maze", "arithmetic", "dataset", "visual_maze", "minigrid")
+BUILTIN_ENVS = (
+    "maze", "arithmetic", "dataset", "gymnasium", "reasoning_gym", "visual_maze", "minigrid"
+)  # fmt: skip
 
 
 class EnvConfig(_Section):
     name: str = Field(
         "maze",
-        description="A built-in env (maze, arithmetic, dataset, visual_maze, minigrid), a name "
-        "given to gyre.envs.register, an import path 'module:Class' or a file path 'envs.py:Class' "
+        description="A built-in env (maze, arithmetic, dataset, gymnasium, reasoning_gym, "
+        "visual_maze, minigrid), a name given to gyre.envs.register, an import path "
+        "'module:Class' or a file path 'envs.py:Class' "
         "(docs/envs.md).",
     )
     kwargs: dict[str, Any] = Field(
@@ -192,7 +203,14 @@ class EnvConfig(_Section):
         default_factory=ArithmeticConfig, description="Arithmetic settings."
     )
     dataset: DatasetConfig = Field(
-        default_factory=DatasetConfig, description="Prompt-dataset (JSONL) settings."
+        default_factory=DatasetConfig,
+        description="Prompt-dataset (JSONL / JSON / Parquet / Arrow) settings.",
+    )
+    gymnasium: GymnasiumConfig = Field(
+        default_factory=GymnasiumConfig, description="gymnasium adapter settings."
+    )
+    reasoning_gym: ReasoningGymConfig = Field(
+        default_factory=ReasoningGymConfig, description="reasoning-gym adapter settings."
     )
     visual_maze: VisualMazeConfig = Field(
         default_factory=VisualMazeConfig,

@@ -1,10 +1,11 @@
 """Built-in environments, plug-ins, and the factory that builds them from config.
 
-``env.name`` is a built-in env (``maze``, ``arithmetic``, ``dataset``, and the image envs
-``visual_maze`` and ``minigrid``: :mod:`gyre.envs.visual`), a name given to
-:func:`register`, an import path ``module:Class`` or a file path ``envs.py:Class``
-(:mod:`gyre.plugins`); a plug-in is called with ``env.kwargs`` for every episode. See
-docs/envs.md.
+``env.name`` is a built-in env (``maze``, ``arithmetic``, ``dataset``, the adapters
+``gymnasium`` and ``reasoning_gym``, whose packages are optional extras imported only when
+used, and the image envs ``visual_maze`` and ``minigrid``: :mod:`gyre.envs.visual`), a
+name given to :func:`register`, an import path ``module:Class`` or a file path
+``envs.py:Class`` (:mod:`gyre.plugins`); a plug-in is called with ``env.kwargs`` for every
+episode. See docs/envs.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from gyre.config import BUILTIN_ENVS, EnvConfig
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.base import Demonstrator, Env
+from gyre.envs.data_files import load_tasks
 from gyre.envs.dataset import DatasetEnv, load_jsonl_tasks
 from gyre.envs.maze import MazeEnv
 from gyre.envs.visual import image_env_factory
@@ -27,6 +29,8 @@ __all__ = [
     "Env",
     "MazeEnv",
     "env_factory",
+    "load_jsonl_tasks",
+    "load_tasks",
     "register",
     "registered",
 ]
@@ -65,11 +69,19 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
         return lambda: ArithmeticEnv(a.max_operand, a.ops)
     if cfg.name == "dataset":
         d = cfg.dataset
-        tasks = load_jsonl_tasks(d.path, d.prompt_field, d.answer_field)  # read once, shared
+        tasks = load_tasks(d.path, d.format, d.prompt_field, d.answer_field)  # read once, shared
         DatasetEnv(tasks, d.eval_rows, d.path)  # validate eval_rows now, not in the first rollout
         return lambda: DatasetEnv(tasks, d.eval_rows, d.path)
     if cfg.name in ("visual_maze", "minigrid"):
         return image_env_factory(cfg)
+    if cfg.name == "gymnasium":
+        from gyre.envs.gymnasium_env import gymnasium_factory
+
+        return gymnasium_factory(cfg.gymnasium)
+    if cfg.name == "reasoning_gym":
+        from gyre.envs.reasoning_gym_env import reasoning_gym_factory
+
+        return reasoning_gym_factory(cfg.reasoning_gym)
     return _plugin_factory(cfg)
 
 

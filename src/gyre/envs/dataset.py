@@ -70,23 +70,30 @@ def load_jsonl_tasks(
                 raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise InputError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-            for key in (prompt_field, answer_field):
-                if key not in row:
-                    raise InputError(f"{where}: missing field '{key}' (row keys: {sorted(row)})")
-            prompt, answer = row[prompt_field], row[answer_field]
-            if not isinstance(prompt, str) or not prompt:
-                raise InputError(f"{where}: field '{prompt_field}' must be a non-empty string")
-            if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-                raise InputError(
-                    f"{where}: field '{answer_field}' must be a string or a number, "
-                    f"got {type(answer).__name__}"
-                )
-            meta = {k: v for k, v in row.items() if k != prompt_field}
-            meta[answer_field] = str(answer)
-            tasks.append(Task(prompt, str(answer), meta, lineno))
+            tasks.append(task_from_row(row, where, lineno, prompt_field, answer_field))
     if not tasks:
         raise InputError(f"env.dataset.path '{p}' holds no rows")
     return tasks
+
+
+def task_from_row(
+    row: dict[str, Any], where: str, line: int, prompt_field: str, answer_field: str
+) -> Task:
+    """One validated task; ``where`` (``file:line`` or ``file[row i]``) starts every error."""
+    for key in (prompt_field, answer_field):
+        if key not in row:
+            raise InputError(f"{where}: missing field '{key}' (row keys: {sorted(row)})")
+    prompt, answer = row[prompt_field], row[answer_field]
+    if not isinstance(prompt, str) or not prompt:
+        raise InputError(f"{where}: field '{prompt_field}' must be a non-empty string")
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        raise InputError(
+            f"{where}: field '{answer_field}' must be a string or a number, "
+            f"got {type(answer).__name__}"
+        )
+    meta = {k: v for k, v in row.items() if k != prompt_field}
+    meta[answer_field] = str(answer)
+    return Task(prompt, str(answer), meta, line)
 
 
 class DatasetEnv:
