@@ -30,10 +30,11 @@ from gyre.config import Config
 from gyre.envs import Demonstrator, env_factory
 from gyre.envs.record import trained_on
 from gyre.models.build import load_pretrained
-from gyre.models.vision import vision_of
+from gyre.models.vision import freeze_vision, vision_of
 from gyre.rollout.core import STREAM_SFT, run_stops
 from gyre.rollout.episodes import demonstrate
 from gyre.rollout.evaluate import train_seed
+from gyre.rollout.tools import message_mode
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from gyre.trainer.batch import collate
 from gyre.trainer.schedule import build_scheduler
@@ -44,18 +45,30 @@ from gyre.types import Trajectory
 def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajectory]:
     """``sft.demos`` noisy-expert episodes on the SFT task stream, cached in ``sft_demos.pt``
     under a key of everything they depend on (rebuilt when any of it changes). Every answer
-    ends with the token the rollout stops at (:attr:`gyre.rollout.stops.Stops.terminator`)."""
-    make_env = env_factory(cfg.env)
+    ends with the token the rollout stops at (:attr:`gyre.rollout.stops.Stops.terminator`).
+    A message-mode env's demonstrations are rendered with the chat template (and a VLM's image
+    side) exactly as its rollout renders them (:func:`gyre.rollout.episodes.demonstrate`)."""
+    make_env, chat, toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
+    if toolbox is not None:
+        toolbox.close()
+        raise ValueError(
+            "rollout.tools: gyre's demonstrators do not call tools, so SFT cannot warm-start "
+            f"a tool run: set sft.steps=0 (it is {cfg.sft.steps})"
+        )
     if not isinstance(make_env(), Demonstrator):
         raise ValueError(
             f"env.name={cfg.env.name!r} has no demonstrator (expert_action / random_action), so "
             f"SFT cannot warm-start on it: set sft.steps=0 (it is {cfg.sft.steps})"
         )
-    terminator = run_stops(cfg, tokenizer).terminator
+    terminator = run_stops(cfg, tokenizer, chat).terminator
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
     key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
            "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab(),
            "terminator": list(terminator)}  # fmt: skip
+    if chat is not None:  # the rendering depends on the template, the limits, the image side
+        vision = vision_of(tokenizer)
+        key["chat"] = {"template": tokenizer.chat_template, "rollout": cfg.rollout.model_dump(),
+                       "images": vision.image_processor.to_dict() if vision else None}  # fmt: skip
     return cached(
         run_dir / "sft_demos.pt",
         key,
@@ -67,6 +80,7 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
                 cfg.sft.noise,
                 rng,
                 terminator=terminator,
+                chat=chat,
             )
             for k in range(cfg.sft.demos)
         ],
@@ -92,8 +106,11 @@ def run_sft(
     ckpt = ckpt or Checkpointer(cfg, run_dir)
     resuming = resume is not None and resume.phase == "sft" and resume.ckpt is not None
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
+    if cfg.model.freeze_vision:
+        freeze_vision(model)  # a VLM's tower and projector, as in GRPO (nothing for text models)
     demos = demonstrations(cfg, run_dir, tokenizer)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.sft.lr, weight_decay=0.0)
     sft = cfg.sft
     sched = build_scheduler(opt, sft.warmup_steps, sft.steps, sft.lr_schedule, sft.min_lr_ratio)
     cursor = TaskCursor(len(demos), np.random.default_rng([cfg.run.seed, STREAM_SFT, 1]))

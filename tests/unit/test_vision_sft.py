@@ -1,0 +1,162 @@
+"""SFT on message-mode envs, images included: a demonstration is the rollout's own rendering."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chat_helpers import ScriptedEngine, build_chat_tokenizer
+from gyre.config import load_config
+from gyre.envs import env_factory
+from gyre.envs.maze import MazeEnv
+from gyre.models.vision import load_vlm, vision_of
+from gyre.rollout.chat import ChatMode, ChatTemplate
+from gyre.rollout.episodes import demonstrate, run_episodes
+from gyre.types import SamplingParams
+from vision_helpers import tiny_vlm
+
+pytest.importorskip("PIL.Image")
+
+
+class Recorder:
+    """A demonstrator env that keeps the replies it was sent (to script the rollout with)."""
+
+    def __init__(self, env, log: list[str]) -> None:
+        self.env, self.log = env, log
+        self.message_mode = True
+
+    def reset(self, seed):
+        self.log.clear()
+        return self.env.reset(seed)
+
+    def step(self, action):
+        self.log.append(action)
+        return self.env.step(action)
+
+    def expert_action(self, rng):
+        return self.env.expert_action(rng)
+
+    def random_action(self, rng):
+        return self.env.random_action(rng)
+
+
+class TextMessageMaze:
+    """The text maze as a message-mode env (string contents), for a text chat tokenizer."""
+
+    message_mode = True
+
+    def __init__(self) -> None:
+        self.maze = MazeEnv()
+
+    def reset(self, seed):
+        return [{"role": "user", "content": self.maze.reset(seed)}]
+
+    def step(self, action):
+        obs, r, done, info = self.maze.step(action)
+        return ([] if done else [{"role": "user", "content": obs}]), r, done, info
+
+    def expert_action(self, rng):
+        return self.maze.expert_action(rng)
+
+    def random_action(self, rng):
+        return self.maze.random_action(rng)
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(tmp_path_factory):
+    folder = tiny_vlm("qwen2_5_vl", tmp_path_factory.getbasetemp() / "vlms")
+    return load_vlm(folder, torch.device("cpu"))[1]
+
+
+def _visual_maze(*overrides: str):
+    return env_factory(load_config(None, ["env.name=visual_maze", *overrides]).env)
+
+
+def _demo_and_rollout(make, tok, seed, noise, train_on_noise=False, **mode):
+    """A demonstration, and run_episodes replaying its replies as the policy's samples."""
+    log: list[str] = []
+    chat = ChatMode(ChatTemplate(tok), **mode)
+    demo = demonstrate(lambda: Recorder(make(), log), tok, seed, noise,
+                       np.random.default_rng(seed), train_on_noise, chat=chat)  # fmt: skip
+    actions = list(log)
+    engine = ScriptedEngine(tok, actions, chat.template.end_id)
+    (traj,) = run_episodes(make, engine, tok, [seed], 1, SamplingParams(), chat=chat)
+    return demo, traj, actions, chat.template
+
+
+def _mask_text(tok, traj) -> str:
+    return tok.decode([i for i, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m])
+
+
+@pytest.mark.parametrize("seed", [3, 11, 2**31 + 1])
+def test_visual_demonstration_is_the_rollouts_rendering(qwen_tok, seed):
+    """ids, loss mask and images of a noise-free demonstration equal what the rollout records
+    for the same replies; the mask is exactly the replies and their end-of-turn token."""
+    demo, traj, actions, tpl = _demo_and_rollout(_visual_maze(), qwen_tok, seed, noise=0.0)
+    assert demo.success and traj.success and demo.num_turns == traj.num_turns == len(actions)
+    assert demo.token_ids == traj.token_ids
+    assert demo.loss_mask == traj.loss_mask
+    assert len(demo.images) == len(traj.images) == len(actions)
+    assert all(np.array_equal(a, b) for a, b in zip(demo.images, traj.images, strict=True))
+    vision = vision_of(qwen_tok)
+    vision.check(demo.token_ids, demo.images, "demonstration")
+    assert demo.token_ids.count(vision.image_token_id) == sum(map(vision.num_tokens, demo.images))
+    end = tpl.end_text
+    assert _mask_text(qwen_tok, demo) == end.join(actions) + end
+    # the whole demonstration is the template's rendering of its conversation, expanded
+    env = _visual_maze()()
+    conv = env.reset(seed)
+    for a in actions:
+        conv.append({"role": "assistant", "content": a})
+        new, *_ = env.step(a)
+        conv.extend(new)
+    text = tpl.render(conv[: 2 * len(actions)], False)  # the final step's messages: not shown
+    assert demo.token_ids == vision.expand(text, demo.images)
+
+
+def test_noisy_visual_demonstration_masks_only_the_random_replies(qwen_tok):
+    make = _visual_maze()
+    kept, traj, *_ = _demo_and_rollout(make, qwen_tok, 5, 0.5, train_on_noise=True)
+    masked, *_ = _demo_and_rollout(make, qwen_tok, 5, 0.5)
+    assert kept.token_ids == masked.token_ids == traj.token_ids
+    assert kept.loss_mask == traj.loss_mask
+    assert all(np.array_equal(a, b) for a, b in zip(masked.images, traj.images, strict=True))
+    dropped = [i for i, (k, m) in enumerate(zip(kept.loss_mask, masked.loss_mask, strict=True))
+               if k != m]  # fmt: skip
+    assert dropped and all(masked.loss_mask[i] == 0 for i in dropped)
+    assert 0 < masked.num_generated < kept.num_generated
+
+
+@pytest.mark.parametrize("kind", ["chatml", "llama3"])
+def test_text_message_demonstration_with_a_bpe_chat_tokenizer(kind):
+    """A real byte-level BPE with its chat template (no images): the same equality."""
+    tok = build_chat_tokenizer(kind)
+    demo, traj, actions, tpl = _demo_and_rollout(TextMessageMaze, tok, 7, noise=0.0)
+    assert demo.token_ids == traj.token_ids and demo.loss_mask == traj.loss_mask
+    assert not demo.images and demo.success
+    assert _mask_text(tok, demo) == tpl.end_text.join(actions) + tpl.end_text
+    assert not demo.info["template_drift"]
+
+
+def test_context_limit_ends_a_demonstration_as_it_ends_a_rollout(qwen_tok):
+    demo, traj, *_ = _demo_and_rollout(_visual_maze(), qwen_tok, 3, 0.0, max_context_tokens=400)
+    assert demo.info["truncated_context"] and traj.info["truncated_context"]
+    assert demo.token_ids == traj.token_ids and len(demo.token_ids) <= 400
+    assert len(demo.images) == len(traj.images) < demo.num_turns + 1
+
+
+def test_warm_start_demonstrations_carry_images_and_cache(qwen_tok, tmp_path):
+    from gyre.trainer.warmstart import demonstrations
+
+    over = ["env.name=visual_maze", "sft.demos=3", "model.kind=qwen2_5_vl"]
+    cfg = load_config(None, over)
+    demos = demonstrations(cfg, tmp_path, qwen_tok)
+    assert len(demos) == 3 and all(d.images and len(d.images) <= d.num_turns for d in demos)
+    again = demonstrations(cfg, tmp_path, qwen_tok)  # from sft_demos.pt
+    assert (tmp_path / "sft_demos.pt").is_file()
+    for a, b in zip(demos, again, strict=True):
+        assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+        assert all(np.array_equal(x, y) for x, y in zip(a.images, b.images, strict=True))
+    with pytest.raises(ValueError, match=r"rollout\.tools"):
+        demonstrations(load_config(None, [*over, "rollout.tools=[python]"]), tmp_path, qwen_tok)
