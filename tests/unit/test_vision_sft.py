@@ -154,9 +154,44 @@ def test_warm_start_demonstrations_carry_images_and_cache(qwen_tok, tmp_path):
     demos = demonstrations(cfg, tmp_path, qwen_tok)
     assert len(demos) == 3 and all(d.images and len(d.images) <= d.num_turns for d in demos)
     again = demonstrations(cfg, tmp_path, qwen_tok)  # from sft_demos.pt
-    assert (tmp_path / "sft_demos.pt").is_file()
+    raw = sum(im.nbytes for d in demos for im in d.images)
+    assert (tmp_path / "sft_demos.pt").stat().st_size < raw / 4  # the images cached as PNGs
+    chat = ChatMode(ChatTemplate(qwen_tok))
+    rng = np.random.default_rng([cfg.run.seed, 1])  # the SFT stream's (warmstart.STREAM_SFT)
+    first = demonstrate(env_factory(cfg.env), qwen_tok, demos[0].task_seed, cfg.sft.noise, rng,
+                        chat=chat)  # fmt: skip
+    assert first.token_ids == demos[0].token_ids and first.loss_mask == demos[0].loss_mask
     for a, b in zip(demos, again, strict=True):
         assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
         assert all(np.array_equal(x, y) for x, y in zip(a.images, b.images, strict=True))
+        assert all(x.dtype == np.uint8 and x.shape == (84, 84, 3) for x in b.images)
+    assert all(np.array_equal(x, y) for x, y in zip(first.images, demos[0].images, strict=True))
     with pytest.raises(ValueError, match=r"rollout\.tools"):
         demonstrations(load_config(None, [*over, "rollout.tools=[python]"]), tmp_path, qwen_tok)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "idefics3"])
+def test_tiny_vlm_language_model_size_is_config(kind, tmp_path):
+    """model.tiny_vlm sizes the tiny VLM's language model (its defaults: the built-in one)."""
+    from gyre.config import ConfigError
+    from gyre.models.vision_build import LMSize, create_tiny_vlm
+    from gyre.trainer.batch import collate, token_logprobs
+    from vision_helpers import ColourEnv
+
+    sizes = ["hidden_size=96", "num_layers=3", "intermediate_size=192"]
+    cfg = load_config(None, [f"model.kind={kind}", *(f"model.tiny_vlm.{s}" for s in sizes)])
+    lm = LMSize(**cfg.model.tiny_vlm.model_dump())
+    assert LMSize(**load_config(None, []).model.tiny_vlm.model_dump()) == LMSize()
+    model, tok = load_vlm(create_tiny_vlm(kind, tmp_path / "m", 0, lm), torch.device("cpu"))
+    text = model.config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size) == (96, 3, 192)
+    chat = ChatMode(ChatTemplate(tok))
+    engine = ScriptedEngine(tok, ["red"], chat.template.end_id)
+    trajs = run_episodes(lambda: ColourEnv(turns=1), engine, tok, [0, 1], 1, SamplingParams(),
+                         chat=chat)  # fmt: skip
+    batch = collate(trajs, tok.pad_token_id, torch.device("cpu"), vision_of(tok))
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch, score_mask=batch.loss_mask)
+    assert torch.isfinite(lp).all() and (lp[batch.loss_mask.bool()] < 0).all()
+    with pytest.raises(ConfigError, match=r"model\.tiny_vlm"):
+        load_config(None, ["model.tiny_vlm.hidden_size=100"])

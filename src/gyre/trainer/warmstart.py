@@ -7,6 +7,8 @@ it in its own (driver) process before GRPO.
 
 from __future__ import annotations
 
+import io
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +71,10 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
         vision = vision_of(tokenizer)
         key["chat"] = {"template": tokenizer.chat_template, "rollout": cfg.rollout.model_dump(),
                        "images": vision.image_processor.to_dict() if vision else None}  # fmt: skip
-    return cached(
+    demos = cached(
         run_dir / "sft_demos.pt",
         key,
-        lambda: [
+        lambda: _pack_images([
             demonstrate(
                 make_env,
                 tokenizer,
@@ -83,8 +85,36 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
                 chat=chat,
             )
             for k in range(cfg.sft.demos)
-        ],
-    )
+        ]),
+    )  # fmt: skip
+    return _unpack_images(demos)
+
+
+def _pack_images(demos: list[Trajectory]) -> list[Trajectory]:
+    """Each demonstration's images as PNG bytes (lossless) for the cache file: raw arrays of an
+    image env's 2,000 demonstrations take hundreds of MB, their PNGs a few MB."""
+    if not any(d.images for d in demos):
+        return demos
+    from PIL import Image
+
+    def png(img: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="PNG")
+        return buf.getvalue()
+
+    return [replace(d, images=[png(im) for im in d.images]) for d in demos]
+
+
+def _unpack_images(demos: list[Trajectory]) -> list[Trajectory]:
+    """:func:`_pack_images` undone: the images back as HxWx3 uint8 arrays, bit for bit."""
+    if not any(d.images and isinstance(d.images[0], bytes) for d in demos):
+        return demos
+    from PIL import Image
+
+    def arr(png: bytes) -> np.ndarray:
+        return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+    return [replace(d, images=[arr(b) for b in d.images]) for d in demos]
 
 
 def run_sft(
