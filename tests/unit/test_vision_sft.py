@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +16,7 @@ from gyre.envs.maze import MazeEnv
 from gyre.models.vision import load_vlm, vision_of
 from gyre.rollout.chat import ChatMode, ChatTemplate
 from gyre.rollout.episodes import demonstrate, run_episodes
+from gyre.telemetry.frames import replay_frames
 from gyre.types import SamplingParams
 from vision_helpers import tiny_vlm
 
@@ -195,3 +199,46 @@ def test_tiny_vlm_language_model_size_is_config(kind, tmp_path):
     assert torch.isfinite(lp).all() and (lp[batch.loss_mask.bool()] < 0).all()
     with pytest.raises(ConfigError, match=r"model\.tiny_vlm"):
         load_config(None, ["model.tiny_vlm.hidden_size=100"])
+
+
+def test_samples_draw_a_few_image_episodes_frame_by_frame(qwen_tok, tmp_path):
+    """samples.jsonl: the first `frames` written image episodes of a step get a PNG strip under
+    frames/ (the images the policy saw, then the final frame, captioned with the actions);
+    gyre report embeds it."""
+    from PIL import Image
+
+    from gyre.telemetry.report import load_run, render_html
+    from gyre.telemetry.samples import SampleWriter
+
+    make = _visual_maze()
+    chat = ChatMode(ChatTemplate(qwen_tok))
+    moves = ["u", "r", "x", "d", "l", "u", "u", "r", "r", "d"] * 3
+    engine = ScriptedEngine(qwen_tok, moves, chat.template.end_id)
+    trajs = run_episodes(make, engine, qwen_tok, [3, 4, 5], 1, SamplingParams(), chat=chat)
+    w = SampleWriter(tmp_path / "samples.jsonl", 1.0, qwen_tok, make, seed=0, frames=2)
+    assert w.write(7, trajs) == 3
+    w.close()
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    drawn = [r for r in rows if "frames" in r]
+    assert [r["index"] for r in drawn] == [0, 1] and "frames" not in rows[2]
+    assert (tmp_path / "samples.jsonl").stat().st_size < 40_000 * len(rows)  # no pixels inside
+    for r in drawn:
+        t = trajs[r["index"]]
+        f = r["frames"]
+        assert f["file"] == f"frames/step_000007_{r['index']:04d}.png"
+        assert f["count"] == len(t.images) + 1 == t.num_turns + 1  # + the frame after the last
+        assert f["captions"] == ["start", *[f"{k} {a}" for k, a in enumerate(r["actions"], 1)]]
+        strip = np.asarray(Image.open(tmp_path / f["file"]).convert("RGB"))
+        side = t.images[0].shape[0]  # 84 px: drawn at scale 1, 2 px apart, a caption band
+        assert strip.shape == (side + 12, f["count"] * (side + 2) - 2, 3)
+        env = make()
+        final = replay_frames(env, t.task_seed, r["actions"])[-1]
+        for k, img in enumerate([*t.images, np.asarray(final)]):
+            x = k * (side + 2)
+            assert np.array_equal(strip[:side, x : x + side], img), k
+    (tmp_path / "config.yaml").write_text("env: {name: visual_maze}\n")
+    html = render_html(load_run(tmp_path))
+    png = (tmp_path / drawn[0]["frames"]["file"]).read_bytes()
+    assert base64.b64encode(png).decode() in html and "start · 1 u · 2 r" in html
+    (tmp_path / drawn[0]["frames"]["file"]).unlink()
+    assert "is missing" in render_html(load_run(tmp_path))
