@@ -242,3 +242,15 @@ def test_samples_draw_a_few_image_episodes_frame_by_frame(qwen_tok, tmp_path):
     assert base64.b64encode(png).decode() in html and "start · 1 u · 2 r" in html
     (tmp_path / drawn[0]["frames"]["file"]).unlink()
     assert "is missing" in render_html(load_run(tmp_path))
+
+
+def test_the_visual_maze_example_keeps_the_text_mazes_rules():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "examples" / "visual-maze" / "config.yaml")
+    text = load_config(root / "examples" / "maze" / "config.yaml")
+    assert cfg.env.name == "visual_maze" and cfg.model.kind == "qwen2_5_vl" and cfg.sft.steps > 0
+    rules = ("size", "wall_density", "min_distance", "budget_factor")
+    assert all(getattr(cfg.env.maze, k) == getattr(text.env.maze, k) for k in rules)
+    assert cfg.eval.episodes >= 200  # the before/after table on held-out mazes
