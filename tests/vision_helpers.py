@@ -71,3 +71,13 @@ def tiny_vlm(kind: str, root: Path) -> Path:
     if kind not in _FOLDERS:
         _FOLDERS[kind] = create_tiny_vlm(kind, root / kind, seed=0)  # type: ignore[arg-type]
     return _FOLDERS[kind]
+
+
+class ColourDemoEnv(ColourEnv):
+    """:class:`ColourEnv` with a demonstrator (it names the colour), for SFT on images."""
+
+    def expert_action(self, rng: np.random.Generator) -> str:
+        return self.colour
+
+    def random_action(self, rng: np.random.Generator) -> str:
+        return sorted(COLOURS)[int(rng.integers(len(COLOURS)))]

@@ -122,9 +122,10 @@ def base_model_path(cfg: Config, run_dir: Path) -> Path:
         if cfg.model.kind == "text":
             create_tiny_checkpoint(cfg.model, stage, cfg.run.seed)
         else:
-            from gyre.models.vision_build import create_tiny_vlm
+            from gyre.models.vision_build import LMSize, create_tiny_vlm
 
-            create_tiny_vlm(cfg.model.kind, stage, cfg.run.seed)
+            lm = LMSize(**cfg.model.tiny_vlm.model_dump())
+            create_tiny_vlm(cfg.model.kind, stage, cfg.run.seed, lm)
         stage.rename(init)  # never a half-written init/ after a kill
     return init
 

@@ -318,63 +318,71 @@ def test_render_maze_is_the_envs_picture():
     assert set(MOVES) == {"u", "d", "l", "r"}
 
 
-# -- the messages through gyre's chat rollout, with a vision chat template -----------------------
-# Qwen2-VL's documented chat template (its image branch; no video): one placeholder per image part.
-QWEN2_VL_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# -- the messages through gyre's chat rollout, with the tiny Qwen2.5-VL -------------------------
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory):
+    """The tiny built-in Qwen2.5-VL's tokenizer (its VisionIO attached) and chat template."""
+    import torch
+
+    from gyre.models.vision import load_vlm, vision_of
+    from gyre.rollout.chat import ChatTemplate
+    from vision_helpers import tiny_vlm
+
+    folder = tiny_vlm("qwen2_5_vl", tmp_path_factory.getbasetemp() / "vlms")
+    _, tok = load_vlm(folder, torch.device("cpu"))
+    assert vision_of(tok) is not None
+    return tok, ChatTemplate(tok)
 
 
-def test_an_episode_renders_through_the_chat_rollout_with_a_vision_template():
-    """What a VLM rollout renders: one image placeholder per observation, the feedback text,
-    the replies as sampled; prefix-stable, so the episode's text is the template's own."""
-    from chat_helpers import build_chat_tokenizer
-    from gyre.rollout.chat import ChatEpisode, ChatTemplate
+def test_an_episode_renders_through_the_chat_rollout_with_a_vision_template(qwen_vl):
+    """What a VLM rollout renders: one image per observation, each placeholder expanded into
+    the image's run of image tokens, the feedback text, the replies as sampled; prefix-stable,
+    so the episode's text is the template's own."""
+    from gyre.models.vision import vision_of
+    from gyre.rollout.chat import ChatEpisode
     from gyre.types import Completion
 
-    tok = build_chat_tokenizer("chatml")
-    tok.chat_template = QWEN2_VL_TEMPLATE
-    tpl = ChatTemplate(tok)
+    tok, tpl = qwen_vl
+    vision = vision_of(tok)
     env, rng = _make()(), np.random.default_rng(3)
     ep = ChatEpisode(tpl)
-    ep.start(env.reset(11))
+    ids = ep.start(env.reset(11))
     texts, turns = [], 0
     while True:
         move = env.random_action(rng) if turns == 1 else env.expert_action(rng)
-        ids = [*tpl.encode(move), tpl.end_id]
-        reply = ep.reply(Completion(ids, [0.0] * len(ids), "stop"))
+        out = [*tpl.encode(move), tpl.end_id]
+        ids += out
+        reply = ep.reply(Completion(out, [0.0] * len(out), "stop"))
         assert reply == move
         new, _, done, _ = env.step(reply)
         turns += 1
         if done:
             break
         texts.append(_text(new))
-        ep.observe(new)
-    ep.close()
+        ids += ep.observe(new)
+    ids += ep.close()
     assert not ep.drift
-    assert ep.text.count("<|image_pad|>") == turns == len(message_images(ep.conv))
+    assert ep.text.count("<|image_pad|>") == turns == len(ep.images) == len(message_images(ep.conv))
     for t in [env.intro(), *texts]:
         assert f"<|vision_start|><|image_pad|><|vision_end|>{t}<|im_end|>" in ep.text
+    per_image = vision.num_tokens(ep.images[0])
+    assert per_image > 1  # the placeholder became the image's full run of tokens
+    assert ids.count(vision.image_token_id) == turns * per_image
+    vision.check(ids, ep.images, "episode")
+    assert ids == vision.expand(ep.text, ep.images)  # the whole rendering, expanded at once
 
 
-def test_run_episodes_plays_the_visual_maze_in_message_mode():
+def test_run_episodes_plays_the_visual_maze_in_message_mode(qwen_vl):
     """gyre's rollout (run_episodes, message mode) with the expert's replies scripted: every
     episode reaches the goal in the shortest number of moves, as the text maze says it must."""
-    from chat_helpers import ScriptedEngine, build_chat_tokenizer
-    from gyre.rollout.chat import ChatMode, ChatTemplate
+    from chat_helpers import ScriptedEngine
+    from gyre.models.vision import vision_of
+    from gyre.rollout.chat import ChatMode
     from gyre.rollout.episodes import run_episodes
     from gyre.types import SamplingParams
 
-    tok = build_chat_tokenizer("chatml")
-    tok.chat_template = QWEN2_VL_TEMPLATE
-    tpl = ChatTemplate(tok)
+    tok, tpl = qwen_vl
+    vision = vision_of(tok)
     make, seed = _make(), 11
     text_maze = MazeEnv()
     expert = [a for a, *_ in _play(text_maze, seed, noise=0.0, rng_seed=0)]
@@ -386,7 +394,13 @@ def test_run_episodes_plays_the_visual_maze_in_message_mode():
     for t in trajs:
         assert t.success and t.reward == 1.0 and t.num_turns == len(expert)
         assert t.info["state"] == goal  # the GiGPO key of the last move: the goal's cell
-        text = tok.decode(t.token_ids)
-        assert text.count("<|image_pad|>") == len(expert)  # one image per observation shown
+        assert len(t.images) == len(expert)  # one image per observation shown
+        vision.check(t.token_ids, t.images, "trajectory")
+        assert t.token_ids.count(vision.image_token_id) == len(expert) * vision.num_tokens(
+            t.images[0]
+        )
+        frames = replay_frames(make(), seed, expert)
+        for shown, frame in zip(t.images, frames, strict=False):  # the env's own pixels
+            assert np.array_equal(shown, np.asarray(frame))
         sampled = [i for i, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
         assert tok.decode(sampled) == "<|im_end|>".join(expert) + "<|im_end|>"

@@ -117,6 +117,12 @@ class TelemetryConfig(_Section):
         le=1.0,
         description="Fraction of each step's trajectories written to <run.dir>/samples.jsonl.",
     )
+    sample_frames: int = Field(
+        2,
+        ge=0,
+        description="Image envs: of each step's written samples, this many get their frames "
+        "drawn as a PNG strip in <run.dir>/frames/ (docs/vision.md); 0 draws none.",
+    )
 
     @field_validator("prometheus_port", mode="before")
     @classmethod

@@ -72,6 +72,24 @@ class LoraConfig(_Section):
     )
 
 
+class TinyVlmConfig(_Section):
+    hidden_size: int = Field(64, gt=0, description="Tiny VLM: the language model's width.")
+    num_layers: int = Field(2, gt=0, description="Tiny VLM: the language model's layers.")
+    num_heads: int = Field(4, gt=0, description="Tiny VLM: attention heads.")
+    num_kv_heads: int = Field(2, gt=0, description="Tiny VLM: key/value heads (GQA).")
+    intermediate_size: int = Field(128, gt=0, description="Tiny VLM: the language model's MLP.")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> TinyVlmConfig:
+        # M-RoPE splits each head's rotary half into (t, h, w) sections: a width of 4k pairs.
+        if self.hidden_size % (8 * self.num_heads) or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.tiny_vlm: hidden_size={self.hidden_size} must be a multiple of 8 x "
+                f"num_heads={self.num_heads}, and num_heads of num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+
 class ModelConfig(_Section):
     path: str = Field(
         "",
@@ -94,6 +112,11 @@ class ModelConfig(_Section):
     num_heads: int = Field(4, gt=0, description="Tiny default: attention heads.")
     intermediate_size: int = Field(384, gt=0, description="Tiny default: MLP width.")
     max_positions: int = Field(1024, gt=0, description="Tiny default: longest context in tokens.")
+    tiny_vlm: TinyVlmConfig = Field(
+        default_factory=TinyVlmConfig,
+        description="The language model of the tiny VLM default (model.kind other than text; "
+        "its vision tower is fixed): docs/vision.md.",
+    )
     lora: LoraConfig | None = Field(
         None, description="LoRA adapter training (peft); null trains every weight."
     )

@@ -15,6 +15,7 @@ image (no image splitting) and a 2x2 pixel-shuffle: one image token per image.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +58,33 @@ IDEFICS3_TEMPLATE = (
 VLMKind = Literal["qwen2_5_vl", "qwen3_vl", "idefics3"]
 
 
+@dataclass(frozen=True)
+class LMSize:
+    """The tiny VLM's language model (``model.tiny_vlm``; the defaults are the built-in ones)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+
+    def text_config(self) -> dict[str, Any]:
+        return dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                    num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+                    num_key_value_heads=self.num_kv_heads)  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def mrope_section(self) -> list[int]:
+        """(t, h, w) rotary pairs of a head, split as Qwen2.5-VL does (16, 24, 24 of 64)."""
+        half = self.head_dim // 2
+        t = half // 4
+        h = (half - t) // 2
+        return [t, h, half - t - h]
+
+
 def byte_tokenizer(specials: list[str], eos: str, template: str) -> PreTrainedTokenizerFast:
     """A byte-level BPE without merges (each byte one token) plus ``specials`` as single
     tokens, with a chat template: a real GPT-2 style tokenizer, built without training."""
@@ -70,7 +98,7 @@ def byte_tokenizer(specials: list[str], eos: str, template: str) -> PreTrainedTo
     return fast
 
 
-def _qwen(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
+def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -86,16 +114,16 @@ def _qwen(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     )  # fmt: skip
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            vocab_size=len(tok), **lm.text_config(), max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [2, 3, 3]},
+                             "mrope_section": lm.mrope_section()},
             tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=None,
             eos_token_id=tok.eos_token_id,
         ),
         vision_config=dict(
             depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
-            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, window_size=32,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=lm.hidden_size,
+            window_size=32,
             fullatt_block_indexes=[1],
         ),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -109,7 +137,7 @@ def _qwen(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     return model, tok, image_processor
 
 
-def _qwen3(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
+def _qwen3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     """Qwen3-VL: 16-pixel patches (its native size), 2x2 merge, deepstack on vision layer 0."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -124,16 +152,15 @@ def _qwen3(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     )  # fmt: skip
     config = Qwen3VLConfig(
         text_config=dict(
-            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=len(tok), **lm.text_config(), head_dim=lm.head_dim,
             max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                             "mrope_section": lm.mrope_section(), "mrope_interleaved": True},
             tie_word_embeddings=True,
         ),
         vision_config=dict(
             depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
-            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=lm.hidden_size,
             num_position_embeddings=64, deepstack_visual_indexes=[0],
         ),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -146,7 +173,7 @@ def _qwen3(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     return model, tok, image_processor
 
 
-def _idefics3(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
+def _idefics3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
         Idefics3ImageProcessorPil,
@@ -163,8 +190,7 @@ def _idefics3(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]
             image_size=32, patch_size=16,
         ),
         text_config=dict(
-            model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            model_type="llama", vocab_size=len(tok), **lm.text_config(),
             max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
             tie_word_embeddings=True,
         ),
@@ -177,15 +203,18 @@ def _idefics3(seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]
     return model, tok, image_processor
 
 
-def create_tiny_vlm(kind: VLMKind, out_dir: str | Path, seed: int) -> Path:
+def create_tiny_vlm(
+    kind: VLMKind, out_dir: str | Path, seed: int, lm: LMSize | None = None
+) -> Path:
     """Build the tiny ``kind`` VLM, its tokenizer and image processor; save them as one Hugging
-    Face folder (loaded back by :func:`gyre.models.vision.load_vlm`)."""
+    Face folder (loaded back by :func:`gyre.models.vision.load_vlm`). ``lm``: the language
+    model's size (``model.tiny_vlm``; default the built-in 2 layers x 64)."""
     from gyre.models.vision import processor_from_parts
 
     builders = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "idefics3": _idefics3}
     if kind not in builders:
         raise ValueError(f"model.kind={kind!r}: tiny VLMs are {sorted(builders)}")
-    model, tok, image_processor = builders[kind](seed)
+    model, tok, image_processor = builders[kind](seed, lm or LMSize())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

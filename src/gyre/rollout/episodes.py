@@ -304,6 +304,7 @@ def demonstrate(
     rng: np.random.Generator,
     train_on_noise: bool = False,
     terminator: Sequence[int] | None = None,
+    chat: ChatMode | None = None,
 ) -> Trajectory:
     """One noisy-expert episode, tokenised exactly as a rollout would be.
 
@@ -311,11 +312,17 @@ def demonstrate(
     is 1 on expert actions; random ones are masked out unless ``train_on_noise`` (they still
     shape the states the demonstration visits, so SFT sees recoveries from mistakes). Every
     action ends with ``terminator``: the ids the rollout stops at (default: the derived
-    :attr:`gyre.rollout.stops.Stops.terminator`, the newline where it is one token).
+    :attr:`gyre.rollout.stops.Stops.terminator`, the newline where it is one token; in message
+    mode the chat template's end-of-turn token).
+
+    ``chat``: a message-mode env, rendered through the rollout's own :class:`ChatEpisode` and
+    :meth:`ChatMode.advance` (see :func:`_demonstrate_chat`).
     """
     env = make_env()
     if not isinstance(env, Demonstrator):
         raise TypeError(f"{type(env).__name__} cannot demonstrate (no expert_action/random_action)")
+    if chat is not None:
+        return _demonstrate_chat(env, chat, seed, noise, rng, train_on_noise, terminator)
     newline = list(derive_stops(tokenizer).terminator if terminator is None else terminator)
     ids = prompt_ids(tokenizer, env.reset(seed))
     mask = [0] * len(ids)
@@ -346,3 +353,50 @@ def demonstrate(
         task_seed=seed,
         info=info,
     )
+
+
+def _demonstrate_chat(
+    env: Any,
+    chat: ChatMode,
+    seed: int,
+    noise: float,
+    rng: np.random.Generator,
+    train_on_noise: bool,
+    terminator: Sequence[int] | None,
+) -> Trajectory:
+    """A message-mode demonstration: the demonstrator's replies go through the very code a
+    rollout's sampled replies go through (:meth:`ChatEpisode.reply`, then
+    :meth:`ChatMode.advance` for the env's answer, its images expanded once), so the ids, the
+    loss mask and the images are what :func:`run_episodes` would record had the policy sampled
+    those replies (each the tokenizer's encoding of the text, then the end-of-turn token). The
+    loss mask is 1 on the replies and their terminator only; the template's glue and every
+    observation (image tokens included) are 0. The whole conversation is one sample, as
+    without ``rollout.stepwise``."""
+    tpl = chat.template
+    end = list(terminator) if terminator is not None else [tpl.end_id]
+    ep = ChatEpisode(tpl)
+    ids = ep.start(env.reset(seed))
+    mask = [0] * len(ids)
+    total, turns, info = 0.0, 0, {}
+    while True:
+        noisy = rng.random() < noise
+        text = env.random_action(rng) if noisy else env.expert_action(rng)
+        act = tpl.encode(text) + end
+        ids += act
+        mask += [0 if noisy and not train_on_noise else 1] * len(act)
+        ep.reply(Completion(act, [0.0] * len(act), "stop"))
+        msgs, r, done, info = env.step(text)
+        total += r
+        turns += 1
+        obs_ids, stop = chat.advance(ep, msgs, done, turns, len(ids))
+        ids += obs_ids
+        mask += [0] * len(obs_ids)
+        if stop is not None:
+            info = {**info, **stop}
+            break
+    return Trajectory(
+        token_ids=ids, loss_mask=mask, rollout_logprobs=[0.0] * len(ids), reward=total,
+        group_id=0, policy_version=-1, num_turns=turns,
+        success=bool(info.get("success", False)), task_seed=seed, info=info,
+        images=list(ep.images),
+    )  # fmt: skip

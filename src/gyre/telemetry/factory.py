@@ -106,8 +106,9 @@ def build_telemetry(
     samples = None
     if t.samples > 0 and tokenizer is not None:
         samples = SampleWriter(
-            run_dir / "samples.jsonl", t.samples, tokenizer, env_factory(cfg.env), cfg.run.seed
-        )
+            run_dir / "samples.jsonl", t.samples, tokenizer, env_factory(cfg.env), cfg.run.seed,
+            frames=t.sample_frames,
+        )  # fmt: skip
     tel = Telemetry(sinks, samples, exporter)
     if t.samples > 0 and tokenizer is None:
         tel.message("telemetry.samples: no tokenizer here, so no samples.jsonl is written")

@@ -5,7 +5,8 @@ It reads only the run directory: ``config.yaml``, ``metrics.jsonl``, ``sft_metri
 matplotlib (the ``telemetry`` extra) and embedded as base64 PNGs, so the file can be mailed or
 attached to a CI job as is. Sections: config, summary table, reward & success, KL & entropy,
 response length & throughput, phase-time breakdown, evaluation before/after, and sample
-episodes (maze episodes drawn step by step from the grid and positions in ``samples.jsonl``).
+episodes (maze episodes drawn step by step from the grid and positions in ``samples.jsonl``;
+image episodes as the frame strips ``samples.jsonl`` names under ``frames/``).
 
 A live run's files are read as they are: a half-written last line is ignored. ``--watch``
 rewrites the report every ``--interval`` seconds (the page reloads itself at the same pace)
@@ -381,6 +382,7 @@ def pick_samples(samples: list[dict[str, Any]], k: int = MAX_SAMPLES) -> list[di
         return []
     last = max(int(s["step"]) for s in samples)
     pool = [s for s in samples if int(s["step"]) == last]
+    pool.sort(key=lambda s: not s.get("frames"))  # drawn image episodes first (a stable sort)
     wins = [s for s in pool if s.get("success")]
     losses = [s for s in pool if not s.get("success")]
     out: list[dict[str, Any]] = []
@@ -391,7 +393,20 @@ def pick_samples(samples: list[dict[str, Any]], k: int = MAX_SAMPLES) -> list[di
     return out
 
 
-def sample_html(s: dict[str, Any]) -> str:
+def frames_html(frames: dict[str, Any], run_dir: Path | None) -> str:
+    """An image episode's frame strip (``samples.jsonl``'s ``frames``), embedded as a data URI."""
+    path = (run_dir / frames["file"]) if run_dir is not None else Path(frames["file"])
+    if not path.is_file():
+        return f'<p class="none">frames: {html.escape(str(frames["file"]))} is missing.</p>'
+    b64 = base64.b64encode(path.read_bytes()).decode("ascii")
+    caps = " · ".join(str(c) for c in frames.get("captions", []))
+    return (
+        f"<p>{frames.get('count')} frames: what the policy saw, each under the action that "
+        f"led to it ({html.escape(caps)})</p>" + _img(b64, "episode frames")
+    )
+
+
+def sample_html(s: dict[str, Any], run_dir: Path | None = None) -> str:
     head = (
         f"step {s['step']} · task seed {s.get('task_seed')} · reward {_fmt(s.get('reward'))} · "
         f"{s.get('turns')} turns · {'solved' if s.get('success') else 'not solved'}"
@@ -404,6 +419,8 @@ def sample_html(s: dict[str, Any]) -> str:
             f"budget {m.get('budget')}</p>"
         )
         parts.append(_img(draw_maze_episode(m, s.get("actions")), "maze episode"))
+    if s.get("frames"):
+        parts.append(frames_html(s["frames"], run_dir))
     parts.append(f"<details><summary>episode text</summary><pre>{html.escape(s['text'])}</pre>")
     parts.append("</details></div>")
     return "".join(parts)
@@ -453,7 +470,7 @@ def render_html(data: RunData, refresh_s: int | None = None) -> str:
             if evals
             else '<p class="none">no evaluation logged yet.</p>',
             "<h2>Sample episodes</h2>",
-            "".join(sample_html(s) for s in samples)
+            "".join(sample_html(s, data.run_dir) for s in samples)
             or '<p class="none">no samples.jsonl rows (telemetry.samples=0?).</p>',
             "<h2>Config</h2>",
             f"<pre>{html.escape(data.config_text) or '(no config.yaml)'}</pre>",

@@ -15,6 +15,13 @@ reward) is written as ``null``, so every line is strict JSON. Maze episodes also
 ``gyre report`` draws step by step. The maze is rebuilt from ``task_seed`` and the actions
 replayed through the env, so the drawing is what the env did.
 
+Image episodes (``Trajectory.images``, docs/vision.md): the first ``frames`` written episodes
+of a step (``telemetry.sample_frames``) also get ``frames``: ``file`` (a PNG strip, relative to
+the run directory: ``frames/step_000010_0003.png`` for step 10, batch index 3), ``count`` and
+``captions`` (``start``, ``1 u``, ...). The strip (:func:`gyre.telemetry.frames.frame_strip`)
+shows every image the policy saw, then the frame after its last move, each under the action
+that led to it; the images are kept out of ``samples.jsonl`` itself, so it stays small.
+
 The episodes are chosen by a generator seeded from (run seed, step): the same run writes the
 same samples, and choosing them never touches the training RNG streams.
 """
@@ -94,6 +101,7 @@ class SampleWriter:
         tokenizer: Any,
         make_env: Callable[[], Any] | None = None,
         seed: int = 0,
+        frames: int = 0,
     ) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"telemetry.samples must lie in [0, 1], got {fraction}")
@@ -102,6 +110,7 @@ class SampleWriter:
         self.tokenizer = tokenizer
         self.make_env = make_env
         self.seed = seed
+        self.frames = frames
         self._f = None
 
     def choose(self, step: int, n: int) -> list[int]:
@@ -143,6 +152,35 @@ class SampleWriter:
                 rec["maze"] = maze
         return rec
 
+    def draw(self, step: int, index: int, t: Trajectory, actions: list[str]) -> dict[str, Any]:
+        """Episode ``t``'s frame strip, written next to ``samples.jsonl``; its record entry.
+
+        The frames are the trajectory's own images (what the policy saw), plus the frame after
+        the last move where a replay of the env from the task seed shows the same images first
+        (:func:`gyre.telemetry.frames.replay_frames`); otherwise the trajectory's images alone.
+        """
+        from gyre.telemetry.frames import frame_strip, replay_frames, strip_captions
+
+        frames = list(t.images)
+        if self.make_env is not None:
+            try:
+                replay = replay_frames(self.make_env(), t.task_seed, [a.strip() for a in actions])
+            except Exception:  # an env the actions cannot replay (e.g. tool calls): no extra
+                replay = []
+            same = len(replay) == len(frames) + 1 and all(
+                np.array_equal(np.asarray(a), b) for a, b in zip(replay, frames, strict=False)
+            )
+            if same:
+                frames.append(np.asarray(replay[-1]))
+        captions = strip_captions(actions)[: len(frames)]
+        captions += [""] * (len(frames) - len(captions))
+        scale = max(1, round(96 / max(1, frames[0].shape[0])))  # at least ~96 px a frame
+        rel = Path("frames") / f"step_{step:06d}_{index:04d}.png"
+        out = self.path.parent / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(frame_strip(frames, captions, scale=scale))
+        return {"file": rel.as_posix(), "count": len(frames), "captions": captions}
+
     def write(self, step: int, trajs: Sequence[Trajectory]) -> int:
         """Write this step's chosen episodes; returns how many."""
         idx = self.choose(step, len(trajs))
@@ -151,8 +189,13 @@ class SampleWriter:
         if self._f is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = self.path.open("a", encoding="utf-8")
+        drawn = 0
         for i in idx:
-            rec = finite_json(self.record(step, i, trajs[i]))
+            rec = self.record(step, i, trajs[i])
+            if trajs[i].images and drawn < self.frames:
+                rec["frames"] = self.draw(step, i, trajs[i], rec["actions"])
+                drawn += 1
+            rec = finite_json(rec)
             self._f.write(json.dumps(rec, allow_nan=False) + "\n")
         self._f.flush()
         return len(idx)

@@ -43,7 +43,10 @@ def sft_step(
     correct = 0.0
     for sl in _micro_slices(batch.input_ids.shape[0], micro_batch_size):
         mb = batch.rows(sl)
-        logp, _ = token_logprobs(model, mb, options=PLAIN)
+        # A VLM batch scores only the loss-masked tokens: an image token's own log-prob is -inf
+        # (placeholders are suppressed, as in the engine), and -inf * 0 would poison the sum.
+        score = mb.loss_mask if mb.images is not None else None
+        logp, _ = token_logprobs(model, mb, options=PLAIN, score_mask=score)
         loss = -masked_token_sum(logp, mb.loss_mask) / step_tokens
         loss.backward()
         total += float(loss.detach()) * step_tokens

@@ -7,6 +7,8 @@ it in its own (driver) process before GRPO.
 
 from __future__ import annotations
 
+import io
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,11 @@ from gyre.config import Config
 from gyre.envs import Demonstrator, env_factory
 from gyre.envs.record import trained_on
 from gyre.models.build import load_pretrained
-from gyre.models.vision import vision_of
+from gyre.models.vision import freeze_vision, vision_of
 from gyre.rollout.core import STREAM_SFT, run_stops
 from gyre.rollout.episodes import demonstrate
 from gyre.rollout.evaluate import train_seed
+from gyre.rollout.tools import message_mode
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from gyre.trainer.batch import collate
 from gyre.trainer.schedule import build_scheduler
@@ -44,22 +47,34 @@ from gyre.types import Trajectory
 def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajectory]:
     """``sft.demos`` noisy-expert episodes on the SFT task stream, cached in ``sft_demos.pt``
     under a key of everything they depend on (rebuilt when any of it changes). Every answer
-    ends with the token the rollout stops at (:attr:`gyre.rollout.stops.Stops.terminator`)."""
-    make_env = env_factory(cfg.env)
+    ends with the token the rollout stops at (:attr:`gyre.rollout.stops.Stops.terminator`).
+    A message-mode env's demonstrations are rendered with the chat template (and a VLM's image
+    side) exactly as its rollout renders them (:func:`gyre.rollout.episodes.demonstrate`)."""
+    make_env, chat, toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
+    if toolbox is not None:
+        toolbox.close()
+        raise ValueError(
+            "rollout.tools: gyre's demonstrators do not call tools, so SFT cannot warm-start "
+            f"a tool run: set sft.steps=0 (it is {cfg.sft.steps})"
+        )
     if not isinstance(make_env(), Demonstrator):
         raise ValueError(
             f"env.name={cfg.env.name!r} has no demonstrator (expert_action / random_action), so "
             f"SFT cannot warm-start on it: set sft.steps=0 (it is {cfg.sft.steps})"
         )
-    terminator = run_stops(cfg, tokenizer).terminator
+    terminator = run_stops(cfg, tokenizer, chat).terminator
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
     key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
            "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab(),
            "terminator": list(terminator)}  # fmt: skip
-    return cached(
+    if chat is not None:  # the rendering depends on the template, the limits, the image side
+        vision = vision_of(tokenizer)
+        key["chat"] = {"template": tokenizer.chat_template, "rollout": cfg.rollout.model_dump(),
+                       "images": vision.image_processor.to_dict() if vision else None}  # fmt: skip
+    demos = cached(
         run_dir / "sft_demos.pt",
         key,
-        lambda: [
+        lambda: _pack_images([
             demonstrate(
                 make_env,
                 tokenizer,
@@ -67,10 +82,39 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
                 cfg.sft.noise,
                 rng,
                 terminator=terminator,
+                chat=chat,
             )
             for k in range(cfg.sft.demos)
-        ],
-    )
+        ]),
+    )  # fmt: skip
+    return _unpack_images(demos)
+
+
+def _pack_images(demos: list[Trajectory]) -> list[Trajectory]:
+    """Each demonstration's images as PNG bytes (lossless) for the cache file: raw arrays of an
+    image env's 2,000 demonstrations take hundreds of MB, their PNGs a few MB."""
+    if not any(d.images for d in demos):
+        return demos
+    from PIL import Image
+
+    def png(img: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="PNG")
+        return buf.getvalue()
+
+    return [replace(d, images=[png(im) for im in d.images]) for d in demos]
+
+
+def _unpack_images(demos: list[Trajectory]) -> list[Trajectory]:
+    """:func:`_pack_images` undone: the images back as HxWx3 uint8 arrays, bit for bit."""
+    if not any(d.images and isinstance(d.images[0], bytes) for d in demos):
+        return demos
+    from PIL import Image
+
+    def arr(png: bytes) -> np.ndarray:
+        return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+    return [replace(d, images=[arr(b) for b in d.images]) for d in demos]
 
 
 def run_sft(
@@ -92,8 +136,11 @@ def run_sft(
     ckpt = ckpt or Checkpointer(cfg, run_dir)
     resuming = resume is not None and resume.phase == "sft" and resume.ckpt is not None
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
+    if cfg.model.freeze_vision:
+        freeze_vision(model)  # a VLM's tower and projector, as in GRPO (nothing for text models)
     demos = demonstrations(cfg, run_dir, tokenizer)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.sft.lr, weight_decay=0.0)
     sft = cfg.sft
     sched = build_scheduler(opt, sft.warmup_steps, sft.steps, sft.lr_schedule, sft.min_lr_ratio)
     cursor = TaskCursor(len(demos), np.random.default_rng([cfg.run.seed, STREAM_SFT, 1]))

@@ -1,0 +1,256 @@
+"""SFT on message-mode envs, images included: a demonstration is the rollout's own rendering."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from chat_helpers import ScriptedEngine, build_chat_tokenizer
+from gyre.config import load_config
+from gyre.envs import env_factory
+from gyre.envs.maze import MazeEnv
+from gyre.models.vision import load_vlm, vision_of
+from gyre.rollout.chat import ChatMode, ChatTemplate
+from gyre.rollout.episodes import demonstrate, run_episodes
+from gyre.telemetry.frames import replay_frames
+from gyre.types import SamplingParams
+from vision_helpers import tiny_vlm
+
+pytest.importorskip("PIL.Image")
+
+
+class Recorder:
+    """A demonstrator env that keeps the replies it was sent (to script the rollout with)."""
+
+    def __init__(self, env, log: list[str]) -> None:
+        self.env, self.log = env, log
+        self.message_mode = True
+
+    def reset(self, seed):
+        self.log.clear()
+        return self.env.reset(seed)
+
+    def step(self, action):
+        self.log.append(action)
+        return self.env.step(action)
+
+    def expert_action(self, rng):
+        return self.env.expert_action(rng)
+
+    def random_action(self, rng):
+        return self.env.random_action(rng)
+
+
+class TextMessageMaze:
+    """The text maze as a message-mode env (string contents), for a text chat tokenizer."""
+
+    message_mode = True
+
+    def __init__(self) -> None:
+        self.maze = MazeEnv()
+
+    def reset(self, seed):
+        return [{"role": "user", "content": self.maze.reset(seed)}]
+
+    def step(self, action):
+        obs, r, done, info = self.maze.step(action)
+        return ([] if done else [{"role": "user", "content": obs}]), r, done, info
+
+    def expert_action(self, rng):
+        return self.maze.expert_action(rng)
+
+    def random_action(self, rng):
+        return self.maze.random_action(rng)
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(tmp_path_factory):
+    folder = tiny_vlm("qwen2_5_vl", tmp_path_factory.getbasetemp() / "vlms")
+    return load_vlm(folder, torch.device("cpu"))[1]
+
+
+def _visual_maze(*overrides: str):
+    return env_factory(load_config(None, ["env.name=visual_maze", *overrides]).env)
+
+
+def _demo_and_rollout(make, tok, seed, noise, train_on_noise=False, **mode):
+    """A demonstration, and run_episodes replaying its replies as the policy's samples."""
+    log: list[str] = []
+    chat = ChatMode(ChatTemplate(tok), **mode)
+    demo = demonstrate(lambda: Recorder(make(), log), tok, seed, noise,
+                       np.random.default_rng(seed), train_on_noise, chat=chat)  # fmt: skip
+    actions = list(log)
+    engine = ScriptedEngine(tok, actions, chat.template.end_id)
+    (traj,) = run_episodes(make, engine, tok, [seed], 1, SamplingParams(), chat=chat)
+    return demo, traj, actions, chat.template
+
+
+def _mask_text(tok, traj) -> str:
+    return tok.decode([i for i, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m])
+
+
+@pytest.mark.parametrize("seed", [3, 11, 2**31 + 1])
+def test_visual_demonstration_is_the_rollouts_rendering(qwen_tok, seed):
+    """ids, loss mask and images of a noise-free demonstration equal what the rollout records
+    for the same replies; the mask is exactly the replies and their end-of-turn token."""
+    demo, traj, actions, tpl = _demo_and_rollout(_visual_maze(), qwen_tok, seed, noise=0.0)
+    assert demo.success and traj.success and demo.num_turns == traj.num_turns == len(actions)
+    assert demo.token_ids == traj.token_ids
+    assert demo.loss_mask == traj.loss_mask
+    assert len(demo.images) == len(traj.images) == len(actions)
+    assert all(np.array_equal(a, b) for a, b in zip(demo.images, traj.images, strict=True))
+    vision = vision_of(qwen_tok)
+    vision.check(demo.token_ids, demo.images, "demonstration")
+    assert demo.token_ids.count(vision.image_token_id) == sum(map(vision.num_tokens, demo.images))
+    end = tpl.end_text
+    assert _mask_text(qwen_tok, demo) == end.join(actions) + end
+    # the whole demonstration is the template's rendering of its conversation, expanded
+    env = _visual_maze()()
+    conv = env.reset(seed)
+    for a in actions:
+        conv.append({"role": "assistant", "content": a})
+        new, *_ = env.step(a)
+        conv.extend(new)
+    text = tpl.render(conv[: 2 * len(actions)], False)  # the final step's messages: not shown
+    assert demo.token_ids == vision.expand(text, demo.images)
+
+
+def test_noisy_visual_demonstration_masks_only_the_random_replies(qwen_tok):
+    make = _visual_maze()
+    kept, traj, *_ = _demo_and_rollout(make, qwen_tok, 5, 0.5, train_on_noise=True)
+    masked, *_ = _demo_and_rollout(make, qwen_tok, 5, 0.5)
+    assert kept.token_ids == masked.token_ids == traj.token_ids
+    assert kept.loss_mask == traj.loss_mask
+    assert all(np.array_equal(a, b) for a, b in zip(masked.images, traj.images, strict=True))
+    dropped = [i for i, (k, m) in enumerate(zip(kept.loss_mask, masked.loss_mask, strict=True))
+               if k != m]  # fmt: skip
+    assert dropped and all(masked.loss_mask[i] == 0 for i in dropped)
+    assert 0 < masked.num_generated < kept.num_generated
+
+
+@pytest.mark.parametrize("kind", ["chatml", "llama3"])
+def test_text_message_demonstration_with_a_bpe_chat_tokenizer(kind):
+    """A real byte-level BPE with its chat template (no images): the same equality."""
+    tok = build_chat_tokenizer(kind)
+    demo, traj, actions, tpl = _demo_and_rollout(TextMessageMaze, tok, 7, noise=0.0)
+    assert demo.token_ids == traj.token_ids and demo.loss_mask == traj.loss_mask
+    assert not demo.images and demo.success
+    assert _mask_text(tok, demo) == tpl.end_text.join(actions) + tpl.end_text
+    assert not demo.info["template_drift"]
+
+
+def test_context_limit_ends_a_demonstration_as_it_ends_a_rollout(qwen_tok):
+    demo, traj, *_ = _demo_and_rollout(_visual_maze(), qwen_tok, 3, 0.0, max_context_tokens=400)
+    assert demo.info["truncated_context"] and traj.info["truncated_context"]
+    assert demo.token_ids == traj.token_ids and len(demo.token_ids) <= 400
+    assert len(demo.images) == len(traj.images) < demo.num_turns + 1
+
+
+def test_warm_start_demonstrations_carry_images_and_cache(qwen_tok, tmp_path):
+    from gyre.trainer.warmstart import demonstrations
+
+    over = ["env.name=visual_maze", "sft.demos=3", "model.kind=qwen2_5_vl"]
+    cfg = load_config(None, over)
+    demos = demonstrations(cfg, tmp_path, qwen_tok)
+    assert len(demos) == 3 and all(d.images and len(d.images) <= d.num_turns for d in demos)
+    again = demonstrations(cfg, tmp_path, qwen_tok)  # from sft_demos.pt
+    raw = sum(im.nbytes for d in demos for im in d.images)
+    assert (tmp_path / "sft_demos.pt").stat().st_size < raw / 4  # the images cached as PNGs
+    chat = ChatMode(ChatTemplate(qwen_tok))
+    rng = np.random.default_rng([cfg.run.seed, 1])  # the SFT stream's (warmstart.STREAM_SFT)
+    first = demonstrate(env_factory(cfg.env), qwen_tok, demos[0].task_seed, cfg.sft.noise, rng,
+                        chat=chat)  # fmt: skip
+    assert first.token_ids == demos[0].token_ids and first.loss_mask == demos[0].loss_mask
+    for a, b in zip(demos, again, strict=True):
+        assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+        assert all(np.array_equal(x, y) for x, y in zip(a.images, b.images, strict=True))
+        assert all(x.dtype == np.uint8 and x.shape == (84, 84, 3) for x in b.images)
+    assert all(np.array_equal(x, y) for x, y in zip(first.images, demos[0].images, strict=True))
+    with pytest.raises(ValueError, match=r"rollout\.tools"):
+        demonstrations(load_config(None, [*over, "rollout.tools=[python]"]), tmp_path, qwen_tok)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "idefics3"])
+def test_tiny_vlm_language_model_size_is_config(kind, tmp_path):
+    """model.tiny_vlm sizes the tiny VLM's language model (its defaults: the built-in one)."""
+    from gyre.config import ConfigError
+    from gyre.models.vision_build import LMSize, create_tiny_vlm
+    from gyre.trainer.batch import collate, token_logprobs
+    from vision_helpers import ColourEnv
+
+    sizes = ["hidden_size=96", "num_layers=3", "intermediate_size=192"]
+    cfg = load_config(None, [f"model.kind={kind}", *(f"model.tiny_vlm.{s}" for s in sizes)])
+    lm = LMSize(**cfg.model.tiny_vlm.model_dump())
+    assert LMSize(**load_config(None, []).model.tiny_vlm.model_dump()) == LMSize()
+    model, tok = load_vlm(create_tiny_vlm(kind, tmp_path / "m", 0, lm), torch.device("cpu"))
+    text = model.config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size) == (96, 3, 192)
+    chat = ChatMode(ChatTemplate(tok))
+    engine = ScriptedEngine(tok, ["red"], chat.template.end_id)
+    trajs = run_episodes(lambda: ColourEnv(turns=1), engine, tok, [0, 1], 1, SamplingParams(),
+                         chat=chat)  # fmt: skip
+    batch = collate(trajs, tok.pad_token_id, torch.device("cpu"), vision_of(tok))
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch, score_mask=batch.loss_mask)
+    assert torch.isfinite(lp).all() and (lp[batch.loss_mask.bool()] < 0).all()
+    with pytest.raises(ConfigError, match=r"model\.tiny_vlm"):
+        load_config(None, ["model.tiny_vlm.hidden_size=100"])
+
+
+def test_samples_draw_a_few_image_episodes_frame_by_frame(qwen_tok, tmp_path):
+    """samples.jsonl: the first `frames` written image episodes of a step get a PNG strip under
+    frames/ (the images the policy saw, then the final frame, captioned with the actions);
+    gyre report embeds it."""
+    from PIL import Image
+
+    from gyre.telemetry.report import load_run, render_html
+    from gyre.telemetry.samples import SampleWriter
+
+    make = _visual_maze()
+    chat = ChatMode(ChatTemplate(qwen_tok))
+    moves = ["u", "r", "x", "d", "l", "u", "u", "r", "r", "d"] * 3
+    engine = ScriptedEngine(qwen_tok, moves, chat.template.end_id)
+    trajs = run_episodes(make, engine, qwen_tok, [3, 4, 5], 1, SamplingParams(), chat=chat)
+    w = SampleWriter(tmp_path / "samples.jsonl", 1.0, qwen_tok, make, seed=0, frames=2)
+    assert w.write(7, trajs) == 3
+    w.close()
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    drawn = [r for r in rows if "frames" in r]
+    assert [r["index"] for r in drawn] == [0, 1] and "frames" not in rows[2]
+    assert (tmp_path / "samples.jsonl").stat().st_size < 40_000 * len(rows)  # no pixels inside
+    for r in drawn:
+        t = trajs[r["index"]]
+        f = r["frames"]
+        assert f["file"] == f"frames/step_000007_{r['index']:04d}.png"
+        assert f["count"] == len(t.images) + 1 == t.num_turns + 1  # + the frame after the last
+        assert f["captions"] == ["start", *[f"{k} {a}" for k, a in enumerate(r["actions"], 1)]]
+        strip = np.asarray(Image.open(tmp_path / f["file"]).convert("RGB"))
+        side = t.images[0].shape[0]  # 84 px: drawn at scale 1, 2 px apart, a caption band
+        assert strip.shape == (side + 12, f["count"] * (side + 2) - 2, 3)
+        env = make()
+        final = replay_frames(env, t.task_seed, r["actions"])[-1]
+        for k, img in enumerate([*t.images, np.asarray(final)]):
+            x = k * (side + 2)
+            assert np.array_equal(strip[:side, x : x + side], img), k
+    (tmp_path / "config.yaml").write_text("env: {name: visual_maze}\n")
+    html = render_html(load_run(tmp_path))
+    png = (tmp_path / drawn[0]["frames"]["file"]).read_bytes()
+    assert base64.b64encode(png).decode() in html and "start · 1 u · 2 r" in html
+    (tmp_path / drawn[0]["frames"]["file"]).unlink()
+    assert "is missing" in render_html(load_run(tmp_path))
+
+
+def test_the_visual_maze_example_keeps_the_text_mazes_rules():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "examples" / "visual-maze" / "config.yaml")
+    text = load_config(root / "examples" / "maze" / "config.yaml")
+    assert cfg.env.name == "visual_maze" and cfg.model.kind == "qwen2_5_vl" and cfg.sft.steps > 0
+    rules = ("size", "wall_density", "min_distance", "budget_factor")
+    assert all(getattr(cfg.env.maze, k) == getattr(text.env.maze, k) for k in rules)
+    assert cfg.eval.episodes >= 200  # the before/after table on held-out mazes
