@@ -169,3 +169,13 @@ def test_example_configs_load(name):
 def test_maze_example_is_the_embedded_default():
     """`gyre train` and `gyre train examples/maze/config.yaml` must run the same experiment."""
     assert load_config(ROOT / "examples" / "maze" / "config.yaml") == load_config(None)
+
+
+def test_maze_long_differs_from_the_default_only_in_budget_and_selection():
+    """examples/maze-long: the default's task and recipe, more GRPO steps, validation choice."""
+    long = load_config(ROOT / "examples" / "maze-long" / "config.yaml")
+    default = load_config(None)
+    assert long.env == default.env and long.sft == default.sft
+    assert long.train.steps > default.train.steps
+    assert long.train.model_copy(update={"steps": default.train.steps}) == default.train
+    assert long.eval.select == "val" and long.eval.validation_episodes > 0
