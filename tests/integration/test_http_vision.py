@@ -93,7 +93,8 @@ def test_gyre_train_over_http_on_an_image_env(vlm_server, tmp_path):
     with the same pixels and placeholder runs. (A server that ignored the sync failed this:
     gap 0.56 at step 2.)"""
     srv, folder = vlm_server
-    _train_over_http(srv.url, folder, tmp_path)
+    steps = _train_over_http(srv.url, folder, tmp_path)
+    assert max(r["train/rollout_logprob_gap"] for r in steps) < 1e-4
 
 
 @pytest.mark.slow
@@ -103,6 +104,7 @@ def test_lora_training_over_http_on_an_image_env(tmp_path):
     folder = tiny_vlm("qwen2_5_vl", tmp_path / "vlms")
     srv = start_server(folder, tmp_path)
     try:
-        _train_over_http(srv.url, folder, tmp_path, "model.lora={rank: 4, alpha: 8}")
+        steps = _train_over_http(srv.url, folder, tmp_path, "model.lora={rank: 4, alpha: 8}")
+        assert max(r["train/rollout_logprob_gap"] for r in steps) < 1e-4
     finally:
         srv.stop()

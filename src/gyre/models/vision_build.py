@@ -98,20 +98,28 @@ def byte_tokenizer(specials: list[str], eos: str, template: str) -> PreTrainedTo
     return fast
 
 
-def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def _qwen_parts(patch_size: int) -> tuple[PreTrainedTokenizerFast, dict[str, int], Any]:
+    """The Qwen-VL families' shared pieces: the byte tokenizer with their special tokens and
+    template, those tokens' ids, and the image processor (2x2 merge) for ``patch_size``."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     tok = byte_tokenizer(QWEN_SPECIALS, "<|im_end|>", QWEN_VL_TEMPLATE)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
-    # 8-pixel patches, 2x2 merge: images are resized to multiples of 16 pixels, between 2x2
-    # and 16x16 image tokens (64 x 64 to 256 x 256 pixels' worth).
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=8, merge_size=2, temporal_patch_size=2,
+        patch_size=patch_size, merge_size=2, temporal_patch_size=2,
         size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
     )  # fmt: skip
+    return tok, ids, image_processor
+
+
+def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    # 8-pixel patches, 2x2 merge: images are resized to multiples of 16 pixels, between 2x2
+    # and 16x16 image tokens (64 x 64 to 256 x 256 pixels' worth).
+    tok, ids, image_processor = _qwen_parts(patch_size=8)
     config = Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=len(tok), **lm.text_config(), max_position_embeddings=4096,
@@ -140,16 +148,8 @@ def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFa
 def _qwen3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     """Qwen3-VL: 16-pixel patches (its native size), 2x2 merge, deepstack on vision layer 0."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
-    tok = byte_tokenizer(QWEN_SPECIALS, "<|im_end|>", QWEN_VL_TEMPLATE)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=16, merge_size=2, temporal_patch_size=2,
-        size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
-    )  # fmt: skip
+    tok, ids, image_processor = _qwen_parts(patch_size=16)
     config = Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tok), **lm.text_config(), head_dim=lm.head_dim,
