@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gyre.cli import main
 
@@ -210,3 +211,38 @@ def test_adapters_with_a_chat_tokenizer(tmp_path: Path, extra: list[str]) -> Non
     assert [r["step"] for r in train] == [1, 2]
     if "env.reasoning_gym.messages=true" in extra:
         assert train[0]["rollout/template_drift"] == 0.0  # ChatML is prefix-stable
+
+
+def test_conversational_dataset_sft_then_grpo_with_a_chat_tokenizer(tmp_path: Path) -> None:
+    """A TRL-style conversational Parquet dataset (system + user messages, a `solution`
+    column): message-mode SFT on its answers, then GRPO, through ChatML and a byte-level BPE."""
+    datasets = pytest.importorskip("datasets", reason="the datasets extra is not installed")
+    from chat_helpers import build_chat_model, build_chat_tokenizer
+
+    rows = [
+        {"prompt": [{"role": "system", "content": "Answer with the number."},
+                    {"role": "user", "content": f"{a} plus {b}?"}], "solution": str(a + b)}
+        for a in range(4) for b in range(4)
+    ]  # fmt: skip
+    path = tmp_path / "chat.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    tok = build_chat_tokenizer("chatml")
+    build_chat_model(tok, "qwen2", seed=0).save_pretrained(tmp_path / "init")
+    tok.save_pretrained(tmp_path / "init")
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tmp_path / 'init'}", f"run.dir={run_dir}", "env.name=dataset"]
+    args += [f"env.dataset.path={path}", "env.dataset.answer_field=solution"]
+    args += ["env.dataset.eval_rows=4", "train.sampling.max_new_tokens=6", *TINY[3:]]
+    assert main(["train", *args]) == 0
+    train = _train_records(run_dir)
+    assert [r["step"] for r in train] == [1, 2]
+    assert train[0]["rollout/template_drift"] == 0.0
+    sft = [json.loads(x) for x in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]
+    assert len(sft) == 2 and all(np.isfinite(r["sft/loss"]) for r in sft)
+    demo = torch.load(run_dir / "sft_demos.pt", weights_only=False)["value"][0]
+    text = tok.decode(demo.token_ids)  # rendered by the template, the answer in the turn
+    assert text.startswith("<|im_start|>system\nAnswer with the number.<|im_end|>\n")
+    answer = tok.decode([t for t, m in zip(demo.token_ids, demo.loss_mask, strict=True) if m])
+    assert answer.endswith("<|im_end|>") and answer[: -len("<|im_end|>")] in {
+        str(r["solution"]) for r in rows
+    }

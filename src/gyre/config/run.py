@@ -194,12 +194,22 @@ class DatasetConfig(_Section):
         description="auto: by extension. .jsonl: gyre's own reader (errors name file:line); "
         ".json, .parquet, .arrow or a save_to_disk folder: Hugging Face datasets.",
     )
-    prompt_field: str = Field("prompt", min_length=1, description="Row key holding the prompt.")
+    prompt_field: str = Field(
+        "prompt",
+        min_length=1,
+        description="Row key holding the prompt: text, or a list of chat messages (TRL's "
+        "conversational format; such a dataset runs in message mode).",
+    )
     answer_field: str = Field(
         "answer", min_length=1, description="Row key holding the reference answer."
     )
     eval_rows: int = Field(
         0, ge=0, description="Last N rows are held out for evaluation; 0 evaluates on all rows."
+    )
+    messages: bool = Field(
+        False,
+        description="Message mode for text prompts too: each becomes one user message, "
+        "rendered with the tokenizer's chat template.",
     )
 
 

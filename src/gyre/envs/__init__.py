@@ -17,7 +17,7 @@ from gyre.config import BUILTIN_ENVS, EnvConfig
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.base import Demonstrator, Env
 from gyre.envs.data_files import load_tasks
-from gyre.envs.dataset import DatasetEnv, load_jsonl_tasks
+from gyre.envs.dataset import DatasetEnv, DatasetMessageEnv, load_jsonl_tasks, message_tasks
 from gyre.envs.maze import MazeEnv
 from gyre.envs.visual import image_env_factory
 from gyre.plugins import ENV_REGISTRY, load_object
@@ -70,8 +70,9 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
     if cfg.name == "dataset":
         d = cfg.dataset
         tasks = load_tasks(d.path, d.format, d.prompt_field, d.answer_field)  # read once, shared
-        DatasetEnv(tasks, d.eval_rows, d.path)  # validate eval_rows now, not in the first rollout
-        return lambda: DatasetEnv(tasks, d.eval_rows, d.path)
+        cls = DatasetMessageEnv if message_tasks(tasks, d.messages, d.path) else DatasetEnv
+        cls(tasks, d.eval_rows, d.path)  # validate eval_rows now, not in the first rollout
+        return lambda: cls(tasks, d.eval_rows, d.path)
     if cfg.name in ("visual_maze", "minigrid"):
         return image_env_factory(cfg)
     if cfg.name == "gymnasium":

@@ -5,6 +5,15 @@ answer (field names configurable)::
 
     {"prompt": "Tom has 3 apples and buys 4 more. How many apples? Answer: ", "answer": "7"}
 
+The prompt may also be a list of chat messages, as in TRL's conversational datasets::
+
+    {"prompt": [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "3 + 4?"}], "answer": "7"}
+
+Such a dataset (or any dataset with ``env.dataset.messages: true``, which makes each text prompt
+one user message) is a message-mode env: the rollout renders the prompt with the tokenizer's chat
+template and the reply ends at its end-of-turn token (docs/envs.md).
+
 Every other key of the row is task metadata: it is handed to reward functions as a column of
 the same name (see ``gyre.rewards``). The policy sees the prompt text verbatim and answers in one
 turn. The env's own reward is a strict check, 1.0 iff the stripped answer text equals the
@@ -31,11 +40,15 @@ from gyre.errors import InputError
 EVAL_SEED_BASE = 2**31
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
 @dataclass(frozen=True)
 class Task:
-    """One dataset row: the prompt, the reference answer (as text) and the other fields."""
+    """One dataset row: the prompt (text, or chat messages), the reference answer (as text) and
+    the other fields."""
 
-    prompt: str
+    prompt: str | list[dict[str, Any]]
     answer: str
     meta: dict[str, Any]
     line: int
@@ -84,8 +97,12 @@ def task_from_row(
         if key not in row:
             raise InputError(f"{where}: missing field '{key}' (row keys: {sorted(row)})")
     prompt, answer = row[prompt_field], row[answer_field]
-    if not isinstance(prompt, str) or not prompt:
-        raise InputError(f"{where}: field '{prompt_field}' must be a non-empty string")
+    if isinstance(prompt, list):
+        prompt = chat_prompt(prompt, where, prompt_field)
+    elif not isinstance(prompt, str) or not prompt:
+        raise InputError(
+            f"{where}: field '{prompt_field}' must be a non-empty string or a list of chat messages"
+        )
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         raise InputError(
             f"{where}: field '{answer_field}' must be a string or a number, "
@@ -94,6 +111,44 @@ def task_from_row(
     meta = {k: v for k, v in row.items() if k != prompt_field}
     meta[answer_field] = str(answer)
     return Task(prompt, str(answer), meta, line)
+
+
+def chat_prompt(value: list[Any], where: str, field: str) -> list[dict[str, Any]]:
+    """A conversational prompt, validated: ``{"role", "content"}`` messages (other keys with a
+    value, such as a tool message's ``name``, are kept; the ``None`` that a columnar file puts
+    in keys only other rows have are dropped). It must not end with the assistant's message."""
+    if not value:
+        raise InputError(f"{where}: field '{field}' is an empty list of messages")
+    out = []
+    for j, m in enumerate(value):
+        at = f"{where}: {field}[{j}]"
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InputError(f"{at} must be a message {{'role': ..., 'content': ...}}, got {m!r}")
+        if m["role"] not in ROLES:
+            raise InputError(f"{at}.role is {m['role']!r}; valid: {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise InputError(f"{at}.content must be a string, got {type(m['content']).__name__}")
+        out.append({k: v for k, v in m.items() if v is not None})
+    if out[-1]["role"] == "assistant":
+        raise InputError(
+            f"{where}: the last message of '{field}' is the assistant's; a prompt ends with the "
+            "message the model answers"
+        )
+    return out
+
+
+def message_tasks(tasks: list[Task], messages: bool, source: str) -> bool:
+    """Whether the dataset is a message-mode env: every prompt is a message list, or
+    ``messages`` asks for it. A mix of text and message prompts is refused, naming the row."""
+    chat = [isinstance(t.prompt, list) for t in tasks]
+    if any(chat) and not all(chat):
+        odd = tasks[chat.index(not chat[0])]
+        kinds = ("text", "a message list") if chat[0] else ("a message list", "text")
+        raise InputError(
+            f"{source}:{odd.line}: the prompt is {kinds[0]}, but the first row's is {kinds[1]}; "
+            "a dataset's prompts are all text or all chat messages"
+        )
+    return messages or all(chat)
 
 
 class DatasetEnv:
@@ -118,7 +173,7 @@ class DatasetEnv:
             return n_train + (seed - EVAL_SEED_BASE) % self.eval_rows
         return seed % n_train
 
-    def reset(self, seed: int) -> str:
+    def reset(self, seed: int) -> Any:
         self.task = self.tasks[self.row_index(seed)]
         self.done = False
         return self.task.prompt
@@ -138,3 +193,20 @@ class DatasetEnv:
     def random_action(self, rng: np.random.Generator) -> str:
         """Another row's answer: well-formed, usually wrong."""
         return self.tasks[int(rng.integers(len(self.tasks)))].answer
+
+
+class DatasetMessageEnv(DatasetEnv):
+    """The dataset in message mode: the prompt is its messages (a text prompt: one user
+    message). The demonstrator (the reference answer) serves message-mode SFT."""
+
+    message_mode = True
+
+    def reset(self, seed: int) -> Any:
+        prompt = super().reset(seed)
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        return [dict(m) for m in prompt]
+
+    def step(self, action: str) -> tuple[Any, float, bool, dict[str, Any]]:
+        _, reward, done, info = super().step(action)
+        return [], reward, done, info
