@@ -13,7 +13,9 @@ from gyre.trainer.loss import loss_params
 from gyre.trainer.update import resolve_old_logprobs
 
 
-def test_defaults_are_the_original_grpo_update():
+def test_defaults_are_the_maze_defaults_update():
+    """The PPO-clip GRPO update, with the embedded maze default's sampling temperature (0.6)
+    and zero-advantage rows left out of the forward/backward (docs/maze-experiments.md)."""
     t = load_config().train
     a = t.algo
     got = {
@@ -31,10 +33,10 @@ def test_defaults_are_the_original_grpo_update():
     }  # fmt: skip
     assert got == {
         "clip_eps": 0.2, "kl_coef": 0.0, "mini_batches": 4, "micro_batch_size": 64,
-        "max_grad_norm": 1.0, "temperature": 1.0, "top_p": 1.0,
+        "max_grad_norm": 1.0, "temperature": 0.6, "top_p": 1.0,
         "loss_agg": "seq-mean-token-mean", "policy_loss": "ppo_clip", "kl_type": "k3",
         "kl_in": "loss", "entropy_coef": 0.0, "ppo_epochs": 1, "mini_batch_size": 0,
-        "loss_norm_len": 0, "old_logprobs": "auto", "skip_zero_advantage": False,
+        "loss_norm_len": 0, "old_logprobs": "auto", "skip_zero_advantage": True,
         "rollout_is": "none", "rollout_is_level": "token", "rollout_is_threshold": 2.0,
         "rollout_is_threshold_lower": 0.0, "vf_coef": 0.5, "value_clip": 0.2,
     }  # fmt: skip
@@ -42,7 +44,8 @@ def test_defaults_are_the_original_grpo_update():
     assert loss_params(t) == LossParams(0.2, None, None)
     assert resolve_old_logprobs(t, 128) == "recompute"
     cfg = load_config()
-    assert cfg.train.algo.advantage == "grpo" and not cfg.train.dapo.dynamic_sampling
+    assert cfg.train.algo.advantage == "gigpo" and cfg.train.algo.discount == 0.95
+    assert not cfg.train.dapo.dynamic_sampling
 
 
 def test_config_literals_match_registries():

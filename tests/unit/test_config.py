@@ -171,10 +171,10 @@ def test_maze_example_is_the_embedded_default():
     assert load_config(ROOT / "examples" / "maze" / "config.yaml") == load_config(None)
 
 
-def test_maze_long_differs_from_the_weak_teacher_only_in_budget_and_selection():
-    """examples/maze-long: the weak-teacher recipe, more GRPO steps, validation choice."""
+def test_maze_long_differs_from_the_default_only_in_budget_and_selection():
+    """examples/maze-long: the default's task and recipe, more GRPO steps, validation choice."""
     long = load_config(ROOT / "examples" / "maze-long" / "config.yaml")
-    default = load_config(ROOT / "examples" / "maze-weak-teacher" / "config.yaml")
+    default = load_config(None)
     assert long.env == default.env and long.sft == default.sft
     assert long.train.steps > default.train.steps
     assert long.train.model_copy(update={"steps": default.train.steps}) == default.train

@@ -150,18 +150,18 @@ class MazeConfig(_Section):
         2.0, ge=1.0, le=2.0, description="Move budget = floor(factor * shortest path), at most 2x."
     )
     observation: Literal["compass", "exits", "window", "grid"] = Field(
-        "compass",
+        "exits",
         description="compass: grid once, then neighbours + goal offset; exits: grid once, then "
         "the open moves + goal offset; window: a local square; grid: the whole grid every turn.",
     )
     view: int = Field(
-        1,
+        2,
         ge=1,
         description="View radius: compass cells within this many moves; exits looks 1 or 2"
         " moves ahead; window half-width.",
     )
     demonstrator: Literal["shortest", "greedy"] = Field(
-        "shortest",
+        "greedy",
         description="SFT demonstrator: shortest = a move along a shortest path (solves every "
         "maze); greedy = the legal move that brings the agent closest to the goal (never bumps, "
         "but ignores dead ends and visited cells).",

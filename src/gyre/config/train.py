@@ -18,7 +18,7 @@ from gyre.config.base import (
 
 class SamplingConfig(_Section):
     temperature: float = Field(
-        1.0, ge=0.0, description="Sampling temperature; 0 is greedy, else at least 0.01."
+        0.6, ge=0.0, description="Sampling temperature; 0 is greedy, else at least 0.01."
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(4, gt=0, description="Most tokens the policy may write per turn.")
@@ -32,12 +32,12 @@ class SamplingConfig(_Section):
 
 
 class SFTConfig(_Section):
-    steps: int = Field(600, ge=0, description="SFT optimizer steps; 0 skips SFT.")
+    steps: int = Field(150, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
-    lr: float = Field(3e-3, gt=0, le=MAX_LR, description="SFT AdamW learning rate, in (0, 1].")
+    lr: float = Field(1e-3, gt=0, le=MAX_LR, description="SFT AdamW learning rate, in (0, 1].")
     warmup_steps: int = Field(10, ge=0, description="Linear LR warmup steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="LR after warmup: constant, or linear / cosine decay to the end."
+        "cosine", description="LR after warmup: constant, or linear / cosine decay to the end."
     )
     min_lr_ratio: float = Field(
         0.0, ge=0, le=1, description="linear / cosine: the last LR as a fraction of sft.lr."
@@ -67,7 +67,7 @@ class AlgoConfig(_Section):
         "gae",
         "gigpo",
         "turn_returns",
-    ] = Field("grpo", description="Advantage estimator (verl: adv_estimator).")
+    ] = Field("gigpo", description="Advantage estimator (verl: adv_estimator).")
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "reinforce"] = Field(
         "ppo_clip", description="Per-token policy loss; gspo wants clip_eps ~3e-4."
     )
@@ -101,7 +101,7 @@ class AlgoConfig(_Section):
         "else current detached; rollout = engine log-probs.",
     )
     skip_zero_advantage: bool = Field(
-        False,
+        True,
         description="Leave rows whose advantage is 0 everywhere out of the update's forward/"
         "backward (their gradient is exactly 0; loss weights keep the whole step's counts).",
     )
@@ -191,13 +191,13 @@ class LevelReplayConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = Field(60, ge=0, description="GRPO steps (rollout + update each).")
-    tasks_per_step: int = Field(16, gt=0, description="Distinct tasks (prompts) per GRPO step.")
+    tasks_per_step: int = Field(32, gt=0, description="Distinct tasks (prompts) per GRPO step.")
     group_size: int = Field(
         8, ge=2, description="Samples per task (G) for group-relative advantages."
     )
     lr: float = Field(3e-4, gt=0, le=MAX_LR, description="GRPO AdamW learning rate, in (0, 1].")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant",
+        "linear",
         description="GRPO LR after warmup: constant, or linear / cosine decay over train.steps "
         "(stepped once per GRPO step).",
     )
