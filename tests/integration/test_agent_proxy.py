@@ -65,6 +65,7 @@ def _train(model_dir: Path, rec_dir: Path, run_dir: Path, steps: int, group: int
         f"train.group_size={group}", "train.tasks_per_step=1", f"train.steps={steps}",
         "train.mini_batches=1", "train.lr=1e-2", "run.threads=1", "log.console=plain",
         "checkpoint.every=0", "train.algo.old_logprobs=recompute",
+        "train.sampling.temperature=1.0",  # the agent's requests sampled at the server's 1.0
     ])  # fmt: skip
 
 

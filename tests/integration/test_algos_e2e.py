@@ -118,8 +118,9 @@ def test_three_steps_per_algorithm(name, sft_dir, tmp_path):
 def test_ppo_resume_restores_the_value_model(sft_dir, tmp_path, value_model):
     """PPO 2 steps + resume to 3 equals 3 steps in one go: the checkpoint carries the value
     model and its optimizer (without them the resumed critic would restart at V = 0)."""
-    gae = ["train.algo.advantage=gae", f"train.algo.value_model={value_model}"]
-    args = ["train", *BASE, *gae, f"model.path={sft_dir}", "sft.steps=0"]
+    gae = ["train.algo.advantage=gae", f"train.algo.value_model={value_model}", "sft.steps=0"]
+    # constant LR: a decaying schedule spans train.steps, which this resume extends
+    args = ["train", *BASE, *gae, f"model.path={sft_dir}", "train.lr_schedule=constant"]
     resumed, straight = tmp_path / "resumed", tmp_path / "straight"
     assert main([*args, "train.steps=2", f"run.dir={resumed}"]) == 0
     assert (resumed / "checkpoints" / "step_000002" / "value_model.pt").is_file()

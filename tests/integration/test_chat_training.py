@@ -30,6 +30,7 @@ def test_message_mode_training_with_a_tool_moves_the_weights(tmp_path, stepwise)
             "env.name=chat_helpers:ShapedAddEnv", "rollout.tools=[calculator]",
             "rollout.max_turns=3",
             f"rollout.stepwise={str(stepwise).lower()}",
+            "train.algo.advantage=grpo",  # step-wise samples take an outcome estimator
         ],
     )  # fmt: skip
     train(cfg)

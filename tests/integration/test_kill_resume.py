@@ -39,6 +39,11 @@ TINY = [
     "sft.demos=12",
     "sft.batch_size=4",
     "sft.warmup_steps=4",
+    # constant LRs at the old defaults: these runs are stopped and resumed with a longer
+    # train.steps, which re-times a decaying schedule (the test below reads the SFT LR values)
+    "sft.lr=0.003",
+    "sft.lr_schedule=constant",
+    "train.lr_schedule=constant",
     "checkpoint.sft_every=2",
     "train.steps=6",
     "train.tasks_per_step=2",

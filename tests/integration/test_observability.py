@@ -159,6 +159,7 @@ def test_prometheus_scrapes_a_run(prometheus, tmp_path):
             "train.steps=3",
             "train.tasks_per_step=2",
             "train.group_size=2",
+            "train.algo.skip_zero_advantage=false",  # measure the token means (all A = 0)
             "eval.episodes=2",
             "eval.every=0",
             "checkpoint.every=1",

@@ -29,8 +29,19 @@ QUIET = ["log.console=off", "run.threads=1"]
 def _sft(tmp_path, newline: bool):
     base = save_qwen2_bpe(tmp_path / "base", seed=0, newline=newline)
     run = tmp_path / "run"
-    args = ["sft", f"model.path={base}", f"run.dir={run}", *ENV, *QUIET, "sft.steps=200",
-            "sft.batch_size=16", "sft.demos=200", "sft.noise=0"]  # fmt: skip
+    args = [
+        "sft",
+        f"model.path={base}",
+        f"run.dir={run}",
+        *ENV,
+        *QUIET,
+        "sft.steps=200",
+        "sft.batch_size=16",
+        "sft.demos=200",
+        "sft.noise=0",
+        "sft.lr=0.003",
+        "sft.lr_schedule=constant",
+    ]  # constant 3e-3: the fast, steady SFT this test was calibrated on
     assert main(args) == 0
     return run / "sft"
 

@@ -92,6 +92,7 @@ def test_gyre_train_visual_maze_sft_then_grpo(tmp_path):
         "sft.steps=3", "sft.demos=8", "sft.batch_size=4", "sft.lr=0.01", "train.steps=2",
         "train.tasks_per_step=2", "train.group_size=2", "train.sampling.max_new_tokens=2",
         "eval.episodes=2", "checkpoint.every=0", f"run.dir={run_dir}",
+        "train.algo.skip_zero_advantage=false",  # score every row: the log-prob gap is checked
     ]  # fmt: skip
     train(load_config(None, over))
     sft = [json.loads(line) for line in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]

@@ -306,6 +306,27 @@ def test_config_mismatch_lists_fields(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("schedule", "warns"), [("linear", True), ("cosine", True), ("constant", False)]
+)
+def test_extending_train_steps_under_a_decaying_schedule_warns(tmp_path, caplog, schedule, warns):
+    """train.steps may grow on resume, but a decaying LR spans it: the decay is re-timed, and
+    the user is told the run no longer equals one run of the new length."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    base = [f"train.lr_schedule={schedule}"]
+    saved = load_config(None, [*base, "train.steps=2"]).model_dump(mode="json")
+    (ckpt / "config.json").write_text(json.dumps(saved))
+    with caplog.at_level(logging.WARNING, logger="gyre.checkpoint.identity"):
+        check_config(ckpt, load_config(None, [*base, "train.steps=2"]).model_dump(mode="json"))
+        assert not caplog.records
+        check_config(ckpt, load_config(None, [*base, "train.steps=4"]).model_dump(mode="json"))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert bool(msgs) == warns, msgs
+    if warns:
+        assert "train.steps: checkpoint=2, now=4" in msgs[0] and schedule in msgs[0]
+
+
+@pytest.mark.parametrize(
     ("override", "line"),
     [
         ("perf.pack=false", "perf.pack: checkpoint=True, now=False"),

@@ -114,3 +114,28 @@ def test_explicit_placement_that_cannot_fit_is_a_one_line_error():
     cfg = load_config(None, ["runner=ray", "ray.trainer.num_cpus=2"])
     with pytest.raises(ValueError, match=r"ray.trainer"):
         fit_placement(cfg, 2.0)
+
+
+def test_combine_ranks_weights_token_means_by_the_tokens_each_rank_scored():
+    """Data-parallel ranks skip their own zero-advantage rows: a rank that skipped every row has
+    no token means, and the others' are weighted by the tokens they scored, not by all tokens."""
+    from gyre.runners.placement import combine_ranks
+
+    r0 = {"train/loss": 0.0, "train/tokens": 100.0, "train/scored_tokens": 0.0,
+          "train/skipped_rows": 8.0, "train/grad_norm": 0.5, "time/train_s": 1.0}  # fmt: skip
+    r1 = {"train/loss": 0.25, "train/tokens": 100.0, "train/scored_tokens": 30.0,
+          "train/skipped_rows": 5.0, "train/grad_norm": 0.5, "time/train_s": 2.0,
+          "train/entropy": 1.5, "train/is_weight": 0.9}  # fmt: skip
+    r2 = {**r1, "train/scored_tokens": 10.0, "train/entropy": 3.5, "train/is_weight": 1.1}
+    out = combine_ranks([r0, r1, r2])
+    assert out["train/entropy"] == (1.5 * 30 + 3.5 * 10) / 40  # 2.0, rank 0 not counted as 0
+    assert out["train/is_weight"] == (0.9 * 30 + 1.1 * 10) / 40
+    assert out["train/loss"] == 0.5 and out["train/skipped_rows"] == 18.0
+    assert out["train/tokens"] == 300.0 and out["train/scored_tokens"] == 40.0
+    assert out["train/grad_norm"] == 0.5 and out["time/train_s"] == 2.0
+    # every rank skipped everything: no token mean at all
+    assert "train/entropy" not in combine_ranks([r0, r0])
+    # without skipping the means are weighted by all tokens, as before
+    a = {"train/tokens": 10.0, "train/entropy": 1.0, "train/loss": 0.1}
+    b = {"train/tokens": 30.0, "train/entropy": 2.0, "train/loss": 0.2}
+    assert combine_ranks([a, b])["train/entropy"] == (10 * 1.0 + 30 * 2.0) / 40

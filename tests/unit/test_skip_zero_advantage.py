@@ -103,6 +103,14 @@ def test_per_token_advantages_and_an_all_zero_step(make_tiny_model, tokenizer):
         assert m["train/skipped_rows"] == (4.0 if steps == 1 else 12.0)
     one, _ = _update(base, trajs, pad, train_cfg(**kw), advs, 1)
     assert _moved(one, full, 1e-5)  # the all-zero step did move the weights
+    # a step with every row skipped measured no token: its entropy / KL / clipfrac are absent,
+    # not a false 0.0, while the unskipped update reports them
+    _, m_zero = _update(base, trajs, pad, skip, advs[1:], 1)
+    _, m_zero_full = _update(base, trajs, pad, train_cfg(**kw), advs[1:], 1)
+    assert m_zero["train/skipped_rows"] == 12.0
+    for key in ("train/entropy", "train/kl", "train/clipfrac", "train/logprob_gap"):
+        assert key not in m_zero and key in m_zero_full
+    assert m_zero_full["train/entropy"] > 0
 
 
 def test_old_logprobs_are_recomputed_only_for_trained_rows(make_tiny_model, tokenizer):

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from gyre.checkpoint.snapshot import CONFIG_FILE
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
@@ -87,6 +90,22 @@ def check_config(ckpt: Path, config: Mapping[str, Any]) -> None:
             + "\nrestore these values to resume it, or start a new run (another run.dir, "
             "or run.resume=never run.overwrite=true)"
         )
+    warn_schedule_retimed(saved, config)
+
+
+def warn_schedule_retimed(saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """A decaying GRPO LR schedule spans ``train.steps``: resuming with another ``train.steps``
+    re-times the decay from the checkpoint on, so the run no longer equals one run of the new
+    length (the steps already taken decayed towards the old end)."""
+    a, b = _flatten(saved), _flatten(now)
+    old, new = a.get("train.steps"), b.get("train.steps")
+    schedule = b.get("train.lr_schedule")
+    if old != new and schedule in ("linear", "cosine"):
+        log.warning(
+            "train.steps: checkpoint=%s, now=%s with train.lr_schedule=%s: the LR decay is "
+            "re-timed to end at step %s, so this run differs from one %s-step run",
+            old, new, schedule, new, new,
+        )  # fmt: skip
 
 
 # Model config keys that say nothing about the weights' shape or meaning.

@@ -71,7 +71,7 @@ class Config(_Section):
             if adv not in ("grpo", "dr_grpo", "rloo"):
                 raise ValueError(
                     f"rollout.stepwise needs an outcome estimator (grpo, dr_grpo, rloo); "
-                    f"train.algo.advantage={adv} is per token"
+                    f"train.algo.advantage={adv} is per token (set train.algo.advantage=grpo)"
                 )
             if self.train.dapo.overlong_buffer_len > 0:
                 raise ValueError("rollout.stepwise: train.dapo.overlong_buffer_len must be 0")

@@ -7,7 +7,7 @@ goal is reachable and the shortest path is at least ``min_distance`` moves). The
 
 Observations come in four documented formats (``observation=``):
 
-``compass`` (the default). The first observation is the whole grid, then the agent's view; every
+``compass``. The first observation is the whole grid, then the agent's view; every
 later observation is only the agent's view::
 
     ..G##         <- the grid, rows top to bottom (first observation only)
@@ -17,23 +17,24 @@ later observation is only the agent's view::
     #####
     .###u2r0>     <- the agent's view (every turn)
 
-The view lists the cells around the agent, nearest first: with ``view=1`` (the default) the four
+The view lists the cells around the agent, nearest first: with ``view=1`` the four
 cells up, down, left and right; with ``view=2`` those four, then the eight cells two moves away,
 row by row (see :func:`compass_offsets`). Then comes the goal's offset and the prompt ``>``.
 ``u2r0`` says the goal is 2 rows up and 0 columns right (``u``/``d`` then ``l``/``r``, each
 with a count).
 
-``exits``: the same information as ``compass`` with ``view=1``, written as a text adventure
-writes a room's exits: the whole grid once, then every turn the open moves (the letters of the
-neighbours that are not walls, in the order u, d, l, r), each followed by its cell character,
-then a space, the goal offset and ``>``::
+``exits`` (the default, with ``view=2``): the same information as ``compass``, written as a
+text adventure writes a room's exits: the whole grid once, then every turn the open moves (the
+letters of the neighbours that are not walls, in the order u, d, l, r), each followed by its
+cell character, then a space, the goal offset and ``>``::
 
     r.l+ u2r0>    <- open: right (free) and left (already visited); goal 2 up, 0 right
 
 Walls are simply absent, so the letter the policy writes is one it can copy from the view.
-With ``view=2`` the view also looks one move further: each open move is followed by the moves
-that are open from that neighbour, in upper case and without the way back, the entries are
-separated by spaces, and the goal offset comes first, so that the exits sit next to the prompt::
+With ``view=1`` it lists only the open moves, as above; with ``view=2`` (the default) the view
+also looks one move further: each open move is followed by the moves that are open from that
+neighbour, in upper case and without the way back, the entries are separated by spaces, and the
+goal offset comes first, so that the exits sit next to the prompt::
 
     u2r0 r.UD l+>  <- goal 2 up; right is free and from there up and down are open; left is a
                       dead end

@@ -112,24 +112,26 @@ def gathers_on_every_rank(cfg: Config) -> bool:
 
 
 def combine_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Rank metrics -> step metrics: per-token means weighted by tokens, the loss summed (each
-    rank holds its share of the global objective), the grad norm of the synced gradients."""
+    """Rank metrics -> step metrics: per-token means weighted by the tokens each rank scored
+    (all of its tokens unless it skipped zero-advantage rows; a rank that skipped every row has
+    no token means and adds nothing to them), the loss summed (each rank holds its share of the
+    global objective), the grad norm of the synced gradients."""
     if len(per_rank) == 1:
         return dict(per_rank[0])
-    tokens = [m["train/tokens"] for m in per_rank]
-    total = max(sum(tokens), 1.0)
+    scored = [m.get("train/scored_tokens", m["train/tokens"]) for m in per_rank]
     out = {}
-    for k in per_rank[0]:
-        if k in ("train/loss", "train/skipped_rows"):
-            out[k] = sum(m.get(k, 0.0) for m in per_rank)
-        elif k == "train/tokens":
-            out[k] = sum(tokens)
+    for k in dict.fromkeys(k for m in per_rank for k in m):  # every rank's keys, in order
+        have = [(m[k], n) for m, n in zip(per_rank, scored, strict=True) if k in m]
+        if k in ("train/loss", "train/skipped_rows", "train/tokens", "train/scored_tokens"):
+            out[k] = sum(v for v, _ in have)
         elif k.startswith("sync/") or k in ("train/grad_norm", "train/optimizer_steps"):
-            out[k] = per_rank[0][k]  # equal on every rank, or rank 0's (the weights it sends)
+            out[k] = have[0][0]  # equal on every rank, or rank 0's (the weights it sends)
         elif k.startswith("time/"):
-            out[k] = max(m.get(k, 0.0) for m in per_rank)  # the slowest rank sets the pace
+            out[k] = max(v for v, _ in have)  # the slowest rank sets the pace
         else:
-            out[k] = sum(m[k] * n for m, n in zip(per_rank, tokens, strict=True)) / total
+            total = sum(n for _, n in have)
+            values = sum(v * n for v, n in have) if total else sum(v for v, _ in have)
+            out[k] = values / (total if total else len(have))
     return out
 
 

@@ -333,9 +333,16 @@ class _Tally:
             self.sums[key] = self.sums.get(key, 0.0) + float(value)
 
     def metrics(self, steps: int, skipping: bool) -> dict[str, float]:
-        out = {f"train/{k}": v / max(self.scored_tokens, 1) for k, v in self.sums.items()}
+        # token means over the rows run; when every row was skipped nothing was measured, so
+        # the means are left out (a 0.0 entropy or KL would be a false reading)
+        out = (
+            {f"train/{k}": v / self.scored_tokens for k, v in self.sums.items()}
+            if self.scored_tokens
+            else {}
+        )
         if skipping:
             out["train/skipped_rows"] = float(self.skipped_rows)
+            out["train/scored_tokens"] = float(self.scored_tokens)
         out["train/loss"] = self.objective / steps
         gn = self.grad_norms
         out["train/grad_norm"] = sum(gn) / len(gn) if gn else float("nan")
