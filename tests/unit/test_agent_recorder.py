@@ -71,10 +71,10 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _serve(model_dir, tmp_path, replies, reward_fn=None):
+def _serve(model_dir, tmp_path, replies, reward_fn=None, idle_timeout_s=3600.0):
     host = ModelHost(model_dir, "tiny", torch.device("cpu"))
     host.engine = Scripted(host.tokenizer, replies)
-    rec = Recorder(tmp_path / "rec", host.tokenizer, reward_fn)
+    rec = Recorder(tmp_path / "rec", host.tokenizer, reward_fn, idle_timeout_s)
     http = TestClient(create_app(host, recorder=rec), raise_server_exceptions=False)
     client = openai.OpenAI(
         base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0
@@ -267,3 +267,60 @@ def test_serve_cli_refuses_a_bad_reward_fn(model_dir, tmp_path, capsys):
     assert "--reward-fn" in capsys.readouterr().err
     assert server.main([str(model_dir), "--reward-fn", missing]) == 1
     assert "--reward-fn needs --record DIR" in capsys.readouterr().err
+
+
+def test_an_abandoned_episode_is_dropped_and_counted(model_dir, tmp_path, capsys):
+    """An agent that crashed mid-episode: DELETE drops its open episode (nothing recorded), the
+    recording stats count it, and the session id is free again."""
+    _, rec, http, client = _serve(model_dir, tmp_path, ["Thinking.", "The answer is 42."])
+    with http:
+        _ask(client, START, session="crashed")
+        assert http.get("/v1/gyre/recording").json()["open_episodes"] == 1
+        out = http.delete("/v1/gyre/episodes/crashed")
+        assert out.status_code == 200 and out.json()["abandoned"] and out.json()["calls"] == 1
+        assert http.delete("/v1/gyre/episodes/crashed").status_code == 404
+        assert http.get("/v1/gyre/episodes/crashed").status_code == 404
+        stats = http.get("/v1/gyre/recording").json()
+        _ask(client, START, session="crashed")  # a fresh episode under the same id
+        assert rec.sessions["crashed"].calls == 1
+    assert stats["open_episodes"] == 0 and stats["abandoned_episodes"] == 1
+    assert not rec.path.exists()  # nothing was recorded
+    assert "episode 'crashed' abandoned by the agent: dropped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_reward_fn", [False, True])
+def test_idle_episodes_end_after_the_session_timeout(model_dir, tmp_path, capsys, with_reward_fn):
+    """--session-timeout: an episode idle for longer ends at the next call: recorded with
+    --reward-fn's score where there is one, else dropped; a younger one stays open."""
+    fn = (lambda messages, metadata: 0.5) if with_reward_fn else None
+    host, rec, http, client = _serve(model_dir, tmp_path, ["a", "b", "c"], fn, idle_timeout_s=60)
+    with http:
+        _ask(client, START, session="old")
+        _ask(client, START, session="young")
+        rec.sessions["old"].active -= 61  # idle for 61 s
+        assert rec.expire() == ["old"]
+        assert set(rec.sessions) == {"young"}
+        rec.sessions["young"].active -= 61
+        _ask(client, START, session="new")  # each call first ends the idle episodes
+        assert set(rec.sessions) == {"new"}
+    err = capsys.readouterr().err
+    if with_reward_fn:
+        records = _records(rec, host.tokenizer)
+        assert [r["session"] for r in records] == ["old", "young", "new"]  # new: at shutdown
+        assert all(r["reward"] == 0.5 for r in records) and rec.stats["abandoned_episodes"] == 0
+        assert "episode 'old' idle for over 60 s: ended, scored by --reward-fn" in err
+    else:
+        assert not rec.path.exists() and rec.stats["abandoned_episodes"] == 2
+        assert "episode 'old' idle for over 60 s: dropped, not recorded" in err
+
+
+def test_session_timeout_zero_keeps_idle_episodes_and_a_negative_one_is_refused(
+    model_dir, tmp_path
+):
+    host, rec, http, client = _serve(model_dir, tmp_path, ["a"], idle_timeout_s=0)
+    with http:
+        _ask(client, START, session="s")
+    rec.sessions["s"].active -= 10**9
+    assert rec.expire() == [] and "s" in rec.sessions
+    with pytest.raises(ValueError, match="--session-timeout must be >= 0 seconds, got -1"):
+        Recorder(tmp_path / "r2", host.tokenizer, None, -1)

@@ -30,6 +30,12 @@ scores itself) or ``POST /v1/gyre/episodes/{session}/end`` (the ``--reward-fn`` 
 ``DIR/episodes.jsonl`` in the schema of :mod:`gyre.rollout.recorded`. Calls without a session
 id are served and not recorded. One call at a time per session (a concurrent one is a 409).
 All recorder state is touched only on the server's preparation thread.
+
+An agent that crashes leaves its episode open. ``DELETE /v1/gyre/episodes/{session}`` abandons
+one explicitly; ``--session-timeout SECONDS`` (default 3600, 0 = never) ends every episode idle
+that long, checked at each call: scored by ``--reward-fn`` and recorded where there is one,
+else dropped. Abandoned episodes are counted (``abandoned_episodes`` in
+``/v1/gyre/recording``) and named on stderr, so the server's memory stays bounded.
 """
 
 import json
@@ -128,6 +134,7 @@ class Session:
     versions: set[int] = field(default_factory=set)
     pending: _Pending | None = None
     started: float = field(default_factory=time.time)
+    active: float = field(default_factory=time.monotonic)  # the last call's end (idle timeout)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -166,7 +173,16 @@ def session_of(headers: Any, body: ChatBody) -> tuple[str, str] | None:
 class Recorder:
     """Sessions in flight and the recording file (see the module docstring)."""
 
-    def __init__(self, out_dir: str | Path, tokenizer: Any, reward_fn: RewardFn | None = None):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        tokenizer: Any,
+        reward_fn: RewardFn | None = None,
+        idle_timeout_s: float = 3600.0,
+    ):
+        if not idle_timeout_s >= 0:
+            raise ValueError(f"--session-timeout must be >= 0 seconds, got {idle_timeout_s}")
+        self.idle_timeout_s = idle_timeout_s
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / RECORD_FILE
@@ -175,7 +191,8 @@ class Recorder:
         self.sessions: dict[str, Session] = {}
         self._templates: dict[str, ChatTemplate] = {}
         self.stats = {"episodes": 0, "calls": 0, "unrecorded_calls": 0, "rerender_drift_calls": 0,
-                      "rewrites": 0, "malformed_tool_calls": 0}  # fmt: skip
+                      "rewrites": 0, "malformed_tool_calls": 0,
+                      "abandoned_episodes": 0}  # fmt: skip
 
     def template(self, tools: list[dict[str, Any]] | None, key: str) -> ChatTemplate:
         if key not in self._templates:
@@ -189,6 +206,7 @@ class Recorder:
     def begin(
         self, host: Any, key: str, group: str, body: ChatBody
     ) -> tuple[str, list[GenerationRequest], SamplingParams]:
+        self.expire()
         model = host.check_model(body.model)
         if body.stream:
             raise ApiError(400, "stream=true is not supported by gyre serve", "stream")
@@ -270,6 +288,7 @@ class Recorder:
         s.sampling.add((p.params.temperature, p.params.top_p))
         s.versions.add(int(host.engine.version))
         s.pending = None
+        s.active = time.monotonic()
         self.stats["calls"] += 1
         self.stats["rerender_drift_calls"] += int(p.drift)
         self.stats["malformed_tool_calls"] += int(malformed)
@@ -284,6 +303,40 @@ class Recorder:
                 del self.sessions[key]
 
     # -- the end of an episode -----------------------------------------------------------------
+    def expire(self, now: float | None = None) -> list[str]:
+        """End the episodes idle for over ``idle_timeout_s`` (none in flight): recorded with
+        ``--reward-fn``'s score where there is one, else dropped. Returns their sessions."""
+        if not self.idle_timeout_s:
+            return []
+        now = time.monotonic() if now is None else now
+        idle = [k for k, s in self.sessions.items()
+                if s.pending is None and now - s.active > self.idle_timeout_s]  # fmt: skip
+        for key in idle:
+            why = f"idle for over {self.idle_timeout_s:g} s"
+            if self.reward_fn is not None:
+                try:
+                    self.finish(key, None, None)
+                    print(f"gyre serve --record: episode {key!r} {why}: ended, scored by "
+                          "--reward-fn", file=sys.stderr)  # fmt: skip
+                    continue
+                except ApiError as exc:
+                    why += f" (--reward-fn: {exc.message})"
+            self.abandon(key, why)
+        return idle
+
+    def abandon(self, key: str, why: str = "abandoned by the agent") -> dict[str, Any]:
+        """Drop an open episode unrecorded (``DELETE /v1/gyre/episodes/{session}``)."""
+        s = self.sessions.get(key)
+        if s is None:
+            raise ApiError(404, f"no open episode {key!r} (never called, or already ended)")
+        if s.pending is not None:
+            raise ApiError(409, f"session {key!r} has a call in flight", "gyre_session")
+        del self.sessions[key]
+        self.stats["abandoned_episodes"] += 1
+        print(f"gyre serve --record: episode {key!r} {why}: dropped, not recorded",
+              file=sys.stderr)  # fmt: skip
+        return {"abandoned": True, **s.summary()}
+
     def finish(self, key: str, reward: float | None, success: bool | None) -> dict[str, Any]:
         s = self.sessions.get(key)
         if s is None:
@@ -353,7 +406,22 @@ class Recorder:
                 print(f"gyre serve --record: episode {key!r}: {exc.message}", file=sys.stderr)
 
 
-def build_recorder(record: str, reward_fn: str, tokenizer: Any) -> Recorder | None:
+def add_recorder_args(add: Callable[..., Any]) -> None:
+    """``gyre serve``'s recording flags (``add`` is the parser's ``add_argument``)."""
+    add("--record", default="", metavar="DIR",
+        help="record chat calls that name a session (X-Gyre-Session) as episodes in "
+        "DIR/episodes.jsonl, for gyre train train.source=DIR (docs/envs.md)")  # fmt: skip
+    add("--reward-fn", default="", metavar="FILE.py:FN",
+        help="with --record: fn(messages, metadata) -> reward, called when an episode ends "
+        "without a posted reward (module:fn also works)")  # fmt: skip
+    add("--session-timeout", type=float, default=3600.0, metavar="SECONDS",
+        help="with --record: end an episode idle this long (scored by --reward-fn if given, "
+        "else dropped and counted); 0 keeps idle episodes forever (default 3600)")  # fmt: skip
+
+
+def build_recorder(
+    record: str, reward_fn: str, tokenizer: Any, idle_timeout_s: float = 3600.0
+) -> Recorder | None:
     """``--record DIR`` / ``--reward-fn FILE.py:FN`` (or ``module:fn``) -> the recorder."""
     if not record:
         if reward_fn:
@@ -364,7 +432,7 @@ def build_recorder(record: str, reward_fn: str, tokenizer: Any) -> Recorder | No
     fn = load_object(reward_fn, "--reward-fn") if reward_fn else None
     if fn is not None and not callable(fn):
         raise ValueError(f"--reward-fn {reward_fn} is not callable")
-    return Recorder(record, tokenizer, fn)
+    return Recorder(record, tokenizer, fn, idle_timeout_s)
 
 
 def _body(raw: bytes) -> RewardBody:
@@ -389,8 +457,8 @@ async def recorded_chat(
 
 
 def add_routes(app: Any, batcher: Any, auth: list[Any], rec: Recorder) -> None:
-    """``/v1/gyre/episodes/{session}/reward|end``, ``GET /v1/gyre/episodes/{session}`` and
-    ``GET /v1/gyre/recording``."""
+    """``/v1/gyre/episodes/{session}/reward|end``, ``GET`` / ``DELETE
+    /v1/gyre/episodes/{session}`` and ``GET /v1/gyre/recording``."""
     from fastapi import Request
 
     @app.post("/v1/gyre/episodes/{session}/reward", dependencies=auth)
@@ -405,6 +473,10 @@ def add_routes(app: Any, batcher: Any, auth: list[Any], rec: Recorder) -> None:
     async def end(session: str, request: Request) -> Any:
         body = _body(await request.body())
         return await batcher.run_in_prep(rec.finish, session, body.reward, body.success)
+
+    @app.delete("/v1/gyre/episodes/{session}", dependencies=auth)
+    async def drop(session: str) -> Any:
+        return await batcher.run_in_prep(rec.abandon, session)
 
     @app.get("/v1/gyre/episodes/{session}", dependencies=auth)
     async def episode(session: str) -> Any:

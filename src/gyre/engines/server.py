@@ -43,6 +43,7 @@ from pydantic import BaseModel, ValidationError
 
 from gyre.engines.recorder import (
     Recorder,
+    add_recorder_args,
     add_routes,
     build_recorder,
     recorded_chat,
@@ -457,20 +458,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="sampling seed")
     add("--max-batch", type=int, default=64, help="prompts per engine batch")
     add("--batch-wait-ms", type=float, default=5.0, help="how long to gather a batch")
-    add(
-        "--record",
-        default="",
-        metavar="DIR",
-        help="record chat calls that name a session (X-Gyre-Session) as episodes in "
-        "DIR/episodes.jsonl, for gyre train train.source=DIR (docs/envs.md)",
-    )
-    add(
-        "--reward-fn",
-        default="",
-        metavar="FILE.py:FN",
-        help="with --record: fn(messages, metadata) -> reward, called when an episode ends "
-        "without a posted reward (module:fn also works)",
-    )
+    add_recorder_args(add)
     return parser
 
 
@@ -525,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         host = ModelHost(
             ns.model_dir, ns.served_model_name or ns.model_dir, resolve_device(ns.device), ns.seed
         )
-        recorder = build_recorder(ns.record, ns.reward_fn, host.tokenizer)
+        recorder = build_recorder(ns.record, ns.reward_fn, host.tokenizer, ns.session_timeout)
     except (FileNotFoundError, ValueError, OSError) as exc:
         print(f"gyre serve: error: {exc}", file=sys.stderr)
         return 1
