@@ -40,6 +40,21 @@ def test_groups_are_cut_to_group_size_in_first_appearance_order(tmp_path):
     assert "7 recorded episodes -> 3 groups of 2; 1 left out" in src.describe()
 
 
+def test_recorded_rows_are_served_at_the_runs_policy_version(tmp_path):
+    """A recording is data, not a stale rollout: its rows carry the version they are trained
+    at (so the Ray runner's staleness check never drops them), the served one in info; a
+    rewritten episode's step rows too."""
+    seg2 = {"token_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "rollout_logprobs": [0.0, -1.0, -2.0]}
+    two = _rec("a", 1.0, policy_version=2)
+    two["segments"] = [*two["segments"], seg2]
+    _write(tmp_path / "episodes.jsonl", [_rec("a", 0.0, policy_version=2), two])
+    src = RecordedSource(tmp_path, 2, vocab=10, temperature=1.0, top_p=1.0)
+    trajs = src.play([0], version=7)
+    assert [t.policy_version for t in trajs] == [7, 7]
+    assert [t.info["recorded_policy_version"] for t in trajs] == [2, 2]
+    assert trajs[1].steps is not None and [s.policy_version for s in trajs[1].steps] == [7, 7]
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -175,7 +175,7 @@ class Rollout:
         cfg, G = self.cfg, self.cfg.train.group_size
         stats = RolloutStats()
         if self.recorded is not None:  # scored already: the agent's or --reward-fn's reward
-            return self.recorded.play(tasks, m), stats
+            return self.recorded.play(tasks, m, int(getattr(self.engine, "version", 0))), stats
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         params = sampling_params(cfg, self.tokenizer, seed, self.chat)
         trajs = run_episodes(

@@ -182,12 +182,22 @@ class RecordedSource:
         left = f"; {self.left_out} left out (incomplete groups)" if self.left_out else ""
         return f"train.source: {self.episodes} recorded episodes -> {n} groups of {g}{left}"
 
-    def play(self, tasks: Sequence[int], m: dict[str, float] | None = None) -> list[Trajectory]:
-        """The trajectories of task indices ``tasks`` (group ``k mod len(groups)``)."""
+    def play(
+        self, tasks: Sequence[int], m: dict[str, float] | None = None, version: int = 0
+    ) -> list[Trajectory]:
+        """The trajectories of task indices ``tasks`` (group ``k mod len(groups)``), taken at
+        the run's policy ``version``: a recording is data, not a stale rollout of this run, so
+        its rows carry the version they are served at (the staleness checks of the async Ray
+        runner would otherwise drop them) and the recorded one in ``info``."""
         out = []
         for k in tasks:
             for j, rec in enumerate(self.groups[k % len(self.groups)]):
-                out.append(to_trajectory(rec, k, f"{k}:{j}"))
+                traj = to_trajectory(rec, k, f"{k}:{j}")
+                traj.info["recorded_policy_version"] = traj.policy_version
+                traj.policy_version = version
+                for step in traj.steps or []:
+                    step.policy_version = version
+                out.append(traj)
         if m is not None and tasks:
             m["rollout/recorded_epoch"] = float(max(tasks) // len(self.groups))
         return out
