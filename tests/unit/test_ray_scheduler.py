@@ -138,3 +138,35 @@ def test_without_dynamic_sampling_nothing_is_filtered():
     s.finished(0, [_rewarded(0, [1, 1]), _rewarded(1, [1, 1])])
     batch, dropped = s.take_batch(0)
     assert [g.task for g in batch] == [0, 1] and dropped == [] and s.batch_metrics() == {}
+
+
+def test_waiting_with_no_share_in_flight_is_an_error_not_a_hang():
+    """Session 10's train.source bug: groups the staleness check always drops (a recording's
+    fixed version) left the runner in ray.wait on nothing. Such a state now fails in one line
+    that shows the scheduler's pacing."""
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from gyre.runners.ray import RayPlacement
+
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=0, max_staleness=1)
+    assert _start_all(s) == [0]
+    _finish(s, 0, version=0)
+    batch, dropped = s.take_batch(version=2)  # both groups 2 versions old: dropped
+    assert batch == [] and len(dropped) == 2
+    with pytest.raises(RuntimeError, match="no rollout share is in flight") as info:
+        RayPlacement._collect(SimpleNamespace(pending={}, sched=s))
+    assert "dropped 2" in str(info.value) and "next share 1" in str(info.value)
+
+
+def test_a_step_whose_fresh_shares_keep_coming_back_stale_fails_in_one_line():
+    """The livelock variant: every re-dispatched share is dropped as stale again. Far more
+    drops in one step than running ahead allows is an error naming ray.max_staleness."""
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=0, max_staleness=1)
+    s.check_not_starving(3)  # the step's first drop-only round sets the baseline
+    s.dropped += 20  # the bound: 10 x tasks_per_step x (1 + ahead)
+    s.check_not_starving(3)
+    s.dropped += 1
+    with pytest.raises(RuntimeError, match=r"step 3 dropped over 20 stale .*max_staleness=1"):
+        s.check_not_starving(3)
+    s.check_not_starving(4)  # a new step starts a new count

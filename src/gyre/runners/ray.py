@@ -358,6 +358,11 @@ class RayPlacement:
 
     def _collect(self) -> None:
         """Wait for one finished share; replace its worker if it died (and reissue the share)."""
+        if not self.pending:  # nothing in flight and nothing may start: waiting would never end
+            raise RuntimeError(
+                f"ray runner: the batch needs groups but no rollout share is in flight "
+                f"(scheduler: {self.sched.describe()}); please report this with the config"
+            )
         ready, _ = ray.wait(list(self.pending), num_returns=1)
         for ref in ready:
             i, s, epoch = self.pending.pop(ref)
@@ -402,6 +407,7 @@ class RayPlacement:
                 break
             self._log_trajectories(step, [], dropped)  # only unusable groups so far
             self.dropped_since += len(dropped)
+            self.sched.check_not_starving(step)
         self.batch, self.batch_dropped = batch, dropped
         trajs = [t for g in batch for t in g.trajs]
         m = self.sched.batch_metrics()

@@ -70,6 +70,7 @@ class ShareScheduler:
     partial: list[Group] = field(default_factory=list)  # usable groups of the open batch
     examined: list[Group] = field(default_factory=list)  # every group taken for the open batch
     last_batch: dict[str, float] = field(default_factory=dict)
+    _starving: tuple[int, int] = (-1, 0)  # (step, dropped at its first drop-only round)
 
     def __post_init__(self) -> None:
         if self.tasks_per_step % self.tasks_per_share:
@@ -152,6 +153,25 @@ class ShareScheduler:
         self.finalized += len(batch)
         self.partial, self.examined = [], []
         return batch, dropped
+
+    def check_not_starving(self, step: int) -> None:
+        """Stale drops are bounded by how far generation runs ahead; far more within one step
+        means fresh shares come back stale too (a source whose rows keep an old version)."""
+        bound = 10 * self.tasks_per_step * (1 + self.ahead)
+        if self._starving[0] != step:
+            self._starving = (step, self.dropped)
+        if self.dropped - self._starving[1] > bound:
+            raise RuntimeError(
+                f"ray runner: step {step} dropped over {bound} stale groups (older than "
+                f"ray.max_staleness={self.max_staleness}) and trained none; {self.describe()}"
+            )
+
+    def describe(self) -> str:
+        """The pacing state, for an error message."""
+        return (
+            f"next share {self.next_share}, buffered groups {len(self.buffer)}, finalized "
+            f"{self.finalized}, dropped {self.dropped}, filtered {self.filtered}"
+        )
 
     def batch_metrics(self) -> dict[str, float]:
         """Dynamic sampling's figures of the batch last taken (empty without it)."""
