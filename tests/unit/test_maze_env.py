@@ -479,3 +479,33 @@ def test_greedy_demonstrator_never_bumps_and_solves_about_sixty_percent():
 def test_unknown_demonstrator_rejected():
     with pytest.raises(ValueError, match="demonstrator"):
         MazeEnv(demonstrator="oracle")
+
+
+@pytest.mark.parametrize("observation", ["exits", "compass"])
+def test_bump_feedback_marks_the_view_after_a_blocked_move(observation):
+    """env.maze.bump_feedback: the view after a move into a wall starts with '!', the next
+    legal move clears it; the bump still costs a move; without the flag the views are the
+    plain ones (and equal to the flagged ones wherever no move was blocked)."""
+    blocked = lambda env, move: (
+        not _inside(env, _target(env, move))
+        or env.walls[  # noqa: E731
+            _target(env, move)
+        ]
+    )
+    legal = lambda env, move: not blocked(env, move)  # noqa: E731
+    plain = MazeEnv(observation=observation, view=2)
+    flagged = MazeEnv(observation=observation, view=2, bump_feedback=True)
+    seed, wall = _find(blocked, plain)
+    assert flagged.reset(seed) == plain.reset(seed)
+    obs, _, _, info = flagged.step(wall)
+    obs_plain, _, _, _ = plain.step(wall)
+    assert obs == "!" + obs_plain and info["bumps"] == 1 and info["moves"] == 1
+    assert flagged.step(wall)[0] == obs  # blocked again: still marked, the same view
+    plain.step(wall)
+    go = next(m for m in MOVES if legal(flagged, m))
+    obs, _, done, info = flagged.step(go)
+    assert obs == plain.step(go)[0] and not obs.startswith("!")  # a legal move clears it
+    assert info["moves"] == 3 and info["bumps"] == 2
+    if not done:  # a malformed action wastes a move but is not a blocked one
+        assert flagged.step("xyz")[0] == plain.step("xyz")[0]
+    assert load_config(None, []).env.maze.bump_feedback is False

@@ -166,6 +166,11 @@ class MazeConfig(_Section):
         "maze); greedy = the legal move that brings the agent closest to the goal (never bumps, "
         "but ignores dead ends and visited cells).",
     )
+    bump_feedback: bool = Field(
+        False,
+        description="After a move into a wall, the next view starts with '!' (the move was "
+        "blocked), as a text adventure says so; the move still costs one of the budget.",
+    )
 
     @model_validator(mode="after")
     def _check_reachable(self) -> MazeConfig:

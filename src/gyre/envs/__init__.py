@@ -62,7 +62,7 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
         m = cfg.maze
         return lambda: MazeEnv(
             m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation,
-            demonstrator=m.demonstrator,
+            demonstrator=m.demonstrator, bump_feedback=m.bump_feedback,
         )  # fmt: skip
     if cfg.name == "arithmetic":
         a = cfg.arithmetic

@@ -54,6 +54,10 @@ Every action uses one move of the budget:
 - a move into a wall or off the grid leaves the agent in place;
 - a malformed action (anything else) also leaves the agent in place: a wasted move.
 
+With ``bump_feedback`` (off by default) the view after a move into a wall starts with ``!``
+(``!u4l2 r+UR>``: the last move was blocked), as a text adventure says "you can't go that way";
+the blocked move still costs one move of the budget.
+
 Reward: 1.0 on the step that reaches the goal within the budget (the episode ends), else 0.0; the
 episode also ends when the budget is spent.
 """
@@ -122,6 +126,7 @@ class MazeEnv:
         view: int = 1,
         observation: str = "compass",
         demonstrator: str = "shortest",
+        bump_feedback: bool = False,
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -146,6 +151,8 @@ class MazeEnv:
         self.view = view
         self.observation = observation
         self.demonstrator = demonstrator
+        self.bump_feedback = bump_feedback
+        self.blocked = False  # the last move went into a wall (shown with bump_feedback)
         self.visited: set[tuple[int, int]] = set()
         self.walls = np.zeros((size, size), dtype=bool)
         self.pos = self.start = self.goal = (0, 0)
@@ -182,7 +189,7 @@ class MazeEnv:
         self.pos = self.start
         self.visited = {self.start}
         self.moves = self.bumps = 0
-        self.done = False
+        self.done = self.blocked = False
         return self.render(first=True)
 
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
@@ -190,6 +197,7 @@ class MazeEnv:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         move = parse_action(action)
         self.moves += 1
+        self.blocked = False
         if move is not None:
             dr, dc = MOVES[move]
             r, c = self.pos[0] + dr, self.pos[1] + dc
@@ -198,6 +206,7 @@ class MazeEnv:
                 self.visited.add(self.pos)
             else:
                 self.bumps += 1
+                self.blocked = True
         success = self.pos == self.goal
         self.done = success or self.moves >= self.budget
         info = {
@@ -254,7 +263,12 @@ class MazeEnv:
         return ["".join(self._cell(r, c) for c in range(self.size)) for r in range(self.size)]
 
     def render(self, first: bool = False) -> str:
-        """The observation text (see the module docstring for the four formats)."""
+        """The observation text (see the module docstring for the four formats); with
+        ``bump_feedback`` a view after a move into a wall starts with ``!``."""
+        text = self._render(first)
+        return "!" + text if self.bump_feedback and self.blocked else text
+
+    def _render(self, first: bool) -> str:
         pr, pc = self.pos
         if self.observation == "compass":
             near = "".join(self._cell(pr + dr, pc + dc) for dr, dc in compass_offsets(self.view))
