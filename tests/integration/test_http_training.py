@@ -44,6 +44,7 @@ GRPO = [
     "train.lr=0.05",
     "train.mini_batches=1",
     "train.kl_coef=0.01",
+    "train.algo.skip_zero_advantage=false",  # unseeded samples may tie: score every row
     "train.sampling.max_new_tokens=4",
     "eval.episodes=4",
     "eval.every=0",

@@ -72,7 +72,9 @@ def _train_over_http(url: str, folder, tmp_path, *extra: str) -> list[dict]:
         "checkpoint.every=0", "env.name=vision_helpers:ColourEnv", "env.kwargs.turns=2",
         f"model.path={folder}", f"run.dir={run_dir}", "engine.kind=http", "engine.api=sglang",
         f'engine.urls=["{url}"]', f"engine.sync_dir={tmp_path / 'sync'}",
-        "engine.timeout_s=60", *extra,
+        "engine.timeout_s=60",
+        "train.algo.skip_zero_advantage=false",  # unseeded samples may tie: score every row
+        *extra,
     ])  # fmt: skip
     train(cfg)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -486,13 +486,14 @@ def test_bump_feedback_marks_the_view_after_a_blocked_move(observation):
     """env.maze.bump_feedback: the view after a move into a wall starts with '!', the next
     legal move clears it; the bump still costs a move; without the flag the views are the
     plain ones (and equal to the flagged ones wherever no move was blocked)."""
-    blocked = lambda env, move: (
-        not _inside(env, _target(env, move))
-        or env.walls[  # noqa: E731
-            _target(env, move)
-        ]
-    )
-    legal = lambda env, move: not blocked(env, move)  # noqa: E731
+
+    def blocked(env: MazeEnv, move: str) -> bool:
+        rc = _target(env, move)
+        return not _inside(env, rc) or bool(env.walls[rc])
+
+    def legal(env: MazeEnv, move: str) -> bool:
+        return not blocked(env, move)
+
     plain = MazeEnv(observation=observation, view=2)
     flagged = MazeEnv(observation=observation, view=2, bump_feedback=True)
     seed, wall = _find(blocked, plain)
