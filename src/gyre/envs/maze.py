@@ -74,7 +74,7 @@ from gyre.config import ConfigError
 MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
 OBSERVATIONS = ("compass", "exits", "window", "grid")
-DEMONSTRATORS = ("shortest", "greedy")
+DEMONSTRATORS = ("shortest", "greedy", "lookahead")
 
 
 def parse_action(text: str) -> str | None:
@@ -295,10 +295,11 @@ class MazeEnv:
 
         ``shortest``: a move along a shortest path. Ties go to the move that also shrinks the
         larger of the row/column offsets to the goal, then to the order u, d, l, r
-        (deterministic). ``greedy``: :meth:`greedy_action`.
+        (deterministic). ``greedy``: :meth:`greedy_action`. ``lookahead``: the same, but a
+        neighbour that is a dead end (no open move onward, and not the goal) comes last.
         """
-        if self.demonstrator == "greedy":
-            return self.greedy_action()
+        if self.demonstrator in ("greedy", "lookahead"):
+            return self.greedy_action(avoid_dead_ends=self.demonstrator == "lookahead")
         here = self._dist[self.pos]
         gr, gc = self.goal
         best = []
@@ -309,17 +310,30 @@ class MazeEnv:
                     best.append((max(abs(gr - r), abs(gc - c)), "udlr".index(name), name))
         return min(best)[2]
 
-    def greedy_action(self) -> str:
+    def greedy_action(self, avoid_dead_ends: bool = False) -> str:
         """The legal move whose cell is closest to the goal in Manhattan distance (ties: the
-        order u, d, l, r). It never walks into a wall, but it does not know dead ends or the
-        cells it has visited, so it can shuttle between two cells until the budget is spent."""
+        order u, d, l, r). It never walks into a wall, but it does not know the cells it has
+        visited, so it can shuttle between two cells until the budget is spent. With
+        ``avoid_dead_ends`` a neighbour from which no move leads on (what the ``exits`` view
+        with ``view=2`` shows as an entry without upper-case letters), other than the goal,
+        is taken only when every legal move is one."""
         gr, gc = self.goal
         best = []
         for name, (dr, dc) in MOVES.items():
             r, c = self.pos[0] + dr, self.pos[1] + dc
-            if 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]:
-                best.append((abs(gr - r) + abs(gc - c), "udlr".index(name), name))
-        return min(best)[2] if best else "u"  # boxed in: every move is a bump
+            if self._open(r, c):
+                dead = (
+                    avoid_dead_ends
+                    and (r, c) != self.goal
+                    and not any(
+                        self._open(r + a, c + b) for a, b in MOVES.values() if (a, b) != (-dr, -dc)
+                    )
+                )
+                best.append((dead, abs(gr - r) + abs(gc - c), "udlr".index(name), name))
+        return min(best)[-1] if best else "u"  # boxed in: every move is a bump
+
+    def _open(self, r: int, c: int) -> bool:
+        return 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]
 
     def random_action(self, rng: np.random.Generator) -> str:
         return str(rng.choice(list(MOVES)))
