@@ -161,7 +161,7 @@ class MazeConfig(_Section):
         " moves ahead; window half-width.",
     )
     demonstrator: Literal["shortest", "greedy", "lookahead"] = Field(
-        "lookahead",
+        "greedy",
         description="SFT demonstrator: shortest = a move along a shortest path (solves every "
         "maze); greedy = the legal move that brings the agent closest to the goal (never bumps, "
         "but ignores dead ends and visited cells); lookahead = greedy, but a neighbour that is a "
