@@ -550,3 +550,39 @@ def test_bump_feedback_marks_the_view_after_a_blocked_move(observation):
     if not done:  # a malformed action wastes a move but is not a blocked one
         assert flagged.step("xyz")[0] == plain.step("xyz")[0]
     assert load_config(None, []).env.maze.bump_feedback is False
+
+
+@pytest.mark.parametrize("view", [1, 2])
+def test_closer_mark_and_compass_offset_rewrite_only_their_part_of_the_view(view):
+    """env.maze.closer_mark: '*' follows the cell of exactly the open moves whose cell is nearer
+    the goal (Manhattan); offset_letters=nswe writes the goal offset in N S W E. Without both,
+    the views are the plain ones, on every turn of random walks."""
+    import re
+
+    plain = MazeEnv(observation="exits", view=view)
+    marked = MazeEnv(observation="exits", view=view, closer_mark=True, offset_letters="nswe")
+    rng = np.random.default_rng(5)
+    back = str.maketrans("NSWE", "udlr")
+    marks = 0
+    for seed in range(20):
+        obs, want = marked.reset(seed), plain.reset(seed)
+        while True:
+            assert obs.replace("*", "").translate(back) == want
+            last = obs.split("\n")[-1]
+            offset = last.split(" ")[0 if view == 2 else -1]
+            assert re.fullmatch(r"[NS]\d+[WE]\d+>?", offset), last
+            gr, gc = plain.goal
+            here = abs(gr - plain.pos[0]) + abs(gc - plain.pos[1])
+            for name, _cell, mark in re.findall(r"([udlr])([.+G])(\*?)", last):
+                nb = _target(plain, name)
+                assert (mark == "*") == (abs(gr - nb[0]) + abs(gc - nb[1]) < here), last
+                marks += mark == "*"
+            if plain.done:
+                break
+            move = plain.random_action(rng)
+            obs, want = marked.step(move)[0], plain.step(move)[0]
+    assert marks > 0
+    with pytest.raises(ValueError, match="offset_letters"):
+        MazeEnv(offset_letters="xyzw")
+    cfg = load_config(None, ["env.maze.closer_mark=true", "env.maze.offset_letters=nswe"])
+    assert (cfg.env.maze.closer_mark, cfg.env.maze.offset_letters) == (True, "nswe")

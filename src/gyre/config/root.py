@@ -78,6 +78,27 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_greedy_episodes(self) -> Config:
+        """``train.sampling.greedy_per_group``: a greedy episode's tokens were picked with
+        probability 1, so its rollout log-probs are 0 and cannot serve as the old policy's."""
+        t = self.train
+        if not t.sampling.greedy_per_group:
+            return self
+        if t.sampling.temperature == 0:
+            raise ValueError(
+                "train.sampling.greedy_per_group: train.sampling.temperature is 0, so every "
+                "episode is greedy already; set greedy_per_group=0 or a temperature > 0"
+            )
+        if t.algo.old_logprobs == "rollout":
+            raise ValueError(
+                "train.sampling.greedy_per_group needs train.algo.old_logprobs auto, recompute "
+                "or current: a greedy episode's rollout log-probs are 0 (probability 1)"
+            )
+        if t.source:
+            raise ValueError("train.sampling.greedy_per_group: train.source episodes are recorded")
+        return self
+
+    @model_validator(mode="after")
     def _check_source(self) -> Config:
         """``train.source``: the recording's policy is ``model.path``; SFT on env demonstrations
         would change it first, so it is off unless asked for (and then refused); the recorded

@@ -172,6 +172,16 @@ class MazeConfig(_Section):
         description="After a move into a wall, the next view starts with '!' (the move was "
         "blocked), as a text adventure says so; the move still costs one of the budget.",
     )
+    closer_mark: bool = Field(
+        False,
+        description="exits: a '*' after the cell of each open move that brings the agent nearer "
+        "the goal (Manhattan), as the goal offset says.",
+    )
+    offset_letters: Literal["udlr", "nswe"] = Field(
+        "udlr",
+        description="The goal offset's letters: udlr (u2r0, the move letters) or nswe (N2E0, "
+        "compass letters, so no move letter appears outside the open moves).",
+    )
 
     @model_validator(mode="after")
     def _check_reachable(self) -> MazeConfig:

@@ -22,6 +22,13 @@ class SamplingConfig(_Section):
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(4, gt=0, description="Most tokens the policy may write per turn.")
+    greedy_per_group: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="GRPO: the last episode of each group is played greedily (temperature 0), "
+        "so the update sees the policy's own greedy failures; 0 or 1 (docs/algorithms.md).",
+    )
 
     @field_validator("temperature")
     @classmethod

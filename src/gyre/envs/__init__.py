@@ -63,6 +63,7 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
         return lambda: MazeEnv(
             m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation,
             demonstrator=m.demonstrator, bump_feedback=m.bump_feedback,
+            closer_mark=m.closer_mark, offset_letters=m.offset_letters,
         )  # fmt: skip
     if cfg.name == "arithmetic":
         a = cfg.arithmetic

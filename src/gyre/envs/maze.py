@@ -54,6 +54,12 @@ Every action uses one move of the budget:
 - a move into a wall or off the grid leaves the agent in place;
 - a malformed action (anything else) also leaves the agent in place: a wasted move.
 
+Two variants of the ``exits`` view (both off by default): ``closer_mark`` puts ``*`` after the
+cell character of every open move that brings the agent nearer the goal (Manhattan distance;
+the goal offset says the same, here written where the move is: ``u4l2 r+UR l.*>``), and
+``offset_letters="nswe"`` writes the goal offset with the compass letters ``N S W E`` instead of
+the move letters (``N4W2 r+UR l.*>``), so that no move letter appears outside the open moves.
+
 With ``bump_feedback`` (off by default) the view after a move into a wall starts with ``!``
 (``!u4l2 r+UR>``: the last move was blocked), as a text adventure says "you can't go that way";
 the blocked move still costs one move of the budget.
@@ -75,6 +81,7 @@ MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
 OBSERVATIONS = ("compass", "exits", "window", "grid")
 DEMONSTRATORS = ("shortest", "greedy", "lookahead")
+OFFSET_LETTERS = {"udlr": "udlr", "nswe": "NSWE"}  # the goal offset's up, down, left, right
 
 
 def parse_action(text: str) -> str | None:
@@ -127,6 +134,8 @@ class MazeEnv:
         observation: str = "compass",
         demonstrator: str = "shortest",
         bump_feedback: bool = False,
+        closer_mark: bool = False,
+        offset_letters: str = "udlr",
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -152,6 +161,13 @@ class MazeEnv:
         self.observation = observation
         self.demonstrator = demonstrator
         self.bump_feedback = bump_feedback
+        if offset_letters not in OFFSET_LETTERS:
+            raise ValueError(
+                f"maze offset_letters must be one of {', '.join(OFFSET_LETTERS)}, "
+                f"got {offset_letters!r}"
+            )
+        self.closer_mark = closer_mark
+        self.offset_letters = OFFSET_LETTERS[offset_letters]
         self.blocked = False  # the last move went into a wall (shown with bump_feedback)
         self.visited: set[tuple[int, int]] = set()
         self.walls = np.zeros((size, size), dtype=bool)
@@ -237,7 +253,17 @@ class MazeEnv:
 
     def _offset(self) -> str:
         dr, dc = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
-        return f"{'u' if dr < 0 else 'd'}{abs(dr)}{'l' if dc < 0 else 'r'}{abs(dc)}"
+        u, d, l, r = self.offset_letters
+        return f"{u if dr < 0 else d}{abs(dr)}{l if dc < 0 else r}{abs(dc)}"
+
+    def _closer(self, r: int, c: int) -> str:
+        """``closer_mark``: ``*`` when cell (r, c) is nearer the goal (Manhattan) than the
+        agent's cell, else nothing."""
+        if not self.closer_mark:
+            return ""
+        gr, gc = self.goal
+        near = abs(gr - r) + abs(gc - c) < abs(gr - self.pos[0]) + abs(gc - self.pos[1])
+        return "*" if near else ""
 
     def _exits(self) -> str:
         """The open moves with their cells; with ``view=2`` each is followed by the moves that
@@ -249,14 +275,14 @@ class MazeEnv:
             if cell == "#":
                 continue
             if self.view == 1:
-                out.append(name + cell)
+                out.append(name + cell + self._closer(r, c))
                 continue
             onward = "".join(
                 nxt.upper()
                 for nxt, (dr2, dc2) in MOVES.items()
                 if (dr2, dc2) != (-dr, -dc) and self._cell(r + dr2, c + dc2) != "#"
             )
-            out.append(name + cell + onward)
+            out.append(name + cell + self._closer(r, c) + onward)
         return ("" if self.view == 1 else " ").join(out)
 
     def _grid(self) -> list[str]:

@@ -16,6 +16,7 @@ seed ``train_seed(run.seed, STREAM_GRPO, i)``; every trajectory gets ``group_id 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,16 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         "rollout/frac_reward_zero_std": float((grouped.std(dim=1) == 0).float().mean()),
         "rollout/failed_episodes": float(sum(bool(t.info.get("failed")) for t in trajs)),
         **message_metrics(trajs),
+        **greedy_metrics(trajs),
     }
+
+
+def greedy_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """``train.sampling.greedy_per_group``: how the greedy episodes of the step's groups did."""
+    greedy = [t for t in trajs if t.info.get("greedy")]
+    if not greedy:
+        return {}
+    return {"rollout/greedy_success_rate": float(np.mean([t.success for t in greedy]))}
 
 
 def recorded_source(cfg: Config, tokenizer: Any, engine: Any) -> RecordedSource | None:
@@ -91,6 +101,20 @@ def recorded_source(cfg: Config, tokenizer: Any, engine: Any) -> RecordedSource 
     src = RecordedSource(cfg.train.source, cfg.train.group_size, vocab, s.temperature, s.top_p)
     print(src.describe(), flush=True)
     return src
+
+
+def with_greedy_episodes(sampled: list[Trajectory], greedy: list[Trajectory]) -> list[Trajectory]:
+    """Groups of ``G - 1`` sampled episodes (task-major) each followed by the task's greedy one
+    (``train.sampling.greedy_per_group``). The greedy sampler picks its tokens with probability
+    1, so their rollout log-probs become 0.0: with ``train.algo.rollout_is`` the token's weight
+    is then pi_old(token), the importance ratio of the tempered policy to the greedy one."""
+    per = len(sampled) // max(len(greedy), 1)
+    out: list[Trajectory] = []
+    for k, g in enumerate(greedy):
+        g.rollout_logprobs = [0.0] * len(g.rollout_logprobs)
+        g.info["greedy"] = True
+        out += [*sampled[k * per : (k + 1) * per], g]
+    return out
 
 
 class Rollout:
@@ -178,10 +202,17 @@ class Rollout:
             return self.recorded.play(tasks, m, int(getattr(self.engine, "version", 0))), stats
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         params = sampling_params(cfg, self.tokenizer, seed, self.chat)
+        greedy = cfg.train.sampling.greedy_per_group
         trajs = run_episodes(
-            self.make_env, self.engine, self.tokenizer, seeds, G, params, stats,
+            self.make_env, self.engine, self.tokenizer, seeds, G - greedy, params, stats,
             continuous=cfg.perf.continuous, chat=self.chat,
         )  # fmt: skip
+        if greedy:
+            trajs = with_greedy_episodes(trajs, run_episodes(
+                self.make_env, self.engine, self.tokenizer, seeds, 1,
+                dataclasses.replace(params, temperature=0.0), stats,
+                continuous=cfg.perf.continuous, chat=self.chat,
+            ))  # fmt: skip
         for i, t in enumerate(trajs):
             t.group_id = tasks[i // G]
             t.traj_id = f"{t.group_id}:{i % G}"
