@@ -145,9 +145,32 @@ def golden_run(name: str, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def cpu_capability() -> str:
+    """The SIMD code path torch's CPU kernels take here (``AVX2``, ``AVX512``, ``DEFAULT``...)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
 if __name__ == "__main__":
-    for name in sys.argv[1:] or list(RUNS):
+    # The records are made with torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2 on a CPU that
+    # has more): other SIMD paths give other bits (docs/operations.md, "Guarantees").
+    # ``--out FILE NAME``: write NAME's record to FILE instead (the test's subprocess).
+    args = sys.argv[1:]
+    out = None
+    if args[:1] == ["--out"]:
+        out, args = Path(args[1]), args[2:]
+    for name in args or list(RUNS):
         with tempfile.TemporaryDirectory() as d:
             rec = golden_run(name, Path(d) / "run")
-        (HERE / f"{name}.json").write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
+        text = json.dumps(rec, indent=1, sort_keys=True) + "\n"
+        if out is not None:
+            out.write_text(json.dumps({"cpu_capability": cpu_capability(), "record": rec}))
+            continue
+        if cpu_capability() != "AVX2":
+            raise SystemExit(
+                f"record with torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2), "
+                f"not {cpu_capability()}"
+            )
+        (HERE / f"{name}.json").write_text(text)
         print(f"{name}: {len(rec['metrics'])} metric rows, {len(rec['final_weights'])} tensors")

@@ -160,12 +160,13 @@ class MazeConfig(_Section):
         description="View radius: compass cells within this many moves; exits looks 1 or 2"
         " moves ahead; window half-width.",
     )
-    demonstrator: Literal["shortest", "greedy", "lookahead"] = Field(
+    demonstrator: Literal["shortest", "greedy", "lookahead", "careful"] = Field(
         "greedy",
         description="SFT demonstrator: shortest = a move along a shortest path (solves every "
         "maze); greedy = the legal move that brings the agent closest to the goal (never bumps, "
         "but ignores dead ends and visited cells); lookahead = greedy, but a neighbour that is a "
-        "dead end (nothing open beyond it) only when every move is one.",
+        "dead end (nothing open beyond it) only when every move is one; careful = lookahead, "
+        "then an unvisited cell before a visited one.",
     )
     bump_feedback: bool = Field(
         False,

@@ -80,7 +80,7 @@ from gyre.config import ConfigError
 MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
 OBSERVATIONS = ("compass", "exits", "window", "grid")
-DEMONSTRATORS = ("shortest", "greedy", "lookahead")
+DEMONSTRATORS = ("shortest", "greedy", "lookahead", "careful")
 OFFSET_LETTERS = {"udlr": "udlr", "nswe": "NSWE"}  # the goal offset's up, down, left, right
 
 
@@ -323,9 +323,11 @@ class MazeEnv:
         larger of the row/column offsets to the goal, then to the order u, d, l, r
         (deterministic). ``greedy``: :meth:`greedy_action`. ``lookahead``: the same, but a
         neighbour that is a dead end (no open move onward, and not the goal) comes last.
+        ``careful``: lookahead, and among the moves left an unvisited cell comes first.
         """
-        if self.demonstrator in ("greedy", "lookahead"):
-            return self.greedy_action(avoid_dead_ends=self.demonstrator == "lookahead")
+        if self.demonstrator in ("greedy", "lookahead", "careful"):
+            careful = self.demonstrator == "careful"
+            return self.greedy_action(self.demonstrator != "greedy", prefer_unvisited=careful)
         here = self._dist[self.pos]
         gr, gc = self.goal
         best = []
@@ -336,13 +338,14 @@ class MazeEnv:
                     best.append((max(abs(gr - r), abs(gc - c)), "udlr".index(name), name))
         return min(best)[2]
 
-    def greedy_action(self, avoid_dead_ends: bool = False) -> str:
+    def greedy_action(self, avoid_dead_ends: bool = False, prefer_unvisited: bool = False) -> str:
         """The legal move whose cell is closest to the goal in Manhattan distance (ties: the
         order u, d, l, r). It never walks into a wall, but it does not know the cells it has
         visited, so it can shuttle between two cells until the budget is spent. With
         ``avoid_dead_ends`` a neighbour from which no move leads on (what the ``exits`` view
         with ``view=2`` shows as an entry without upper-case letters), other than the goal,
-        is taken only when every legal move is one."""
+        is taken only when every legal move is one. With ``prefer_unvisited`` (after the dead-end
+        rule) a cell not yet visited in this episode comes before a visited one."""
         gr, gc = self.goal
         best = []
         for name, (dr, dc) in MOVES.items():
@@ -355,7 +358,8 @@ class MazeEnv:
                         self._open(r + a, c + b) for a, b in MOVES.values() if (a, b) != (-dr, -dc)
                     )
                 )
-                best.append((dead, abs(gr - r) + abs(gc - c), "udlr".index(name), name))
+                seen = prefer_unvisited and (r, c) in self.visited
+                best.append((dead, seen, abs(gr - r) + abs(gc - c), "udlr".index(name), name))
         return min(best)[-1] if best else "u"  # boxed in: every move is a bump
 
     def _open(self, r: int, c: int) -> bool:
