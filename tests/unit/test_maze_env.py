@@ -620,3 +620,34 @@ def test_careful_demonstrator_prefers_unvisited_cells_and_solves_about_ninety_pe
         assert info["bumps"] == 0
         wins += info["success"]
     assert wins / 300 > 0.85
+
+
+def test_dead_end_noise_moves_enter_a_visible_dead_end():
+    """env.maze.noise_moves=dead_end: a noise move goes into a neighbouring dead end when there
+    is one (the hand maze: left, (2, 1)); the goal never counts as one; elsewhere (no dead end
+    next to the agent) it is uniform over u, d, l, r, like the default."""
+    grid = [
+        "G....",
+        "####.",
+        "#....",
+        "##.##",
+        "##...",
+    ]
+    walls = np.array([[ch == "#" for ch in row] for row in grid])
+    env = MazeEnv(view=2, observation="exits", noise_moves="dead_end")
+    env.walls, env.goal, env.pos = walls, (0, 0), (2, 2)
+    rng = np.random.default_rng(0)
+    assert {env.random_action(rng) for _ in range(20)} == {"l"}
+    env.pos = (0, 1)  # next to the goal, a cell with nothing open beyond it: not a dead end
+    env.goal = (0, 0)
+    assert env._dead_end(0, -1) is False
+    env.pos = (4, 3)  # right (4, 4) is a dead end; nothing else is
+    assert {env.random_action(rng) for _ in range(20)} == {"r"}
+    env.pos = (2, 3)  # no dead end next to it: every move
+    assert {env.random_action(rng) for _ in range(200)} == set(MOVES)
+    uniform = MazeEnv(view=2, observation="exits")
+    uniform.walls, uniform.goal, uniform.pos = walls, (0, 0), (2, 2)
+    assert {uniform.random_action(rng) for _ in range(200)} == set(MOVES)
+    with pytest.raises(ValueError, match="noise_moves"):
+        MazeEnv(noise_moves="walls")
+    assert load_config(None, ["env.maze.noise_moves=dead_end"]).env.maze.noise_moves == "dead_end"

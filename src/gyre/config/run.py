@@ -178,6 +178,12 @@ class MazeConfig(_Section):
         description="exits: a '*' after the cell of each open move that brings the agent nearer "
         "the goal (Manhattan), as the goal offset says.",
     )
+    noise_moves: Literal["uniform", "dead_end"] = Field(
+        "uniform",
+        description="SFT noise moves (sft.noise): uniform over u/d/l/r, or dead_end: into a "
+        "neighbouring dead end when there is one (masked, as every noise move), so that the "
+        "teacher's way back out is trained.",
+    )
     offset_letters: Literal["udlr", "nswe"] = Field(
         "udlr",
         description="The goal offset's letters: udlr (u2r0, the move letters) or nswe (N2E0, "

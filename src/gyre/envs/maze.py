@@ -81,6 +81,7 @@ MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
 OBSERVATIONS = ("compass", "exits", "window", "grid")
 DEMONSTRATORS = ("shortest", "greedy", "lookahead", "careful")
+NOISE_MOVES = ("uniform", "dead_end")
 OFFSET_LETTERS = {"udlr": "udlr", "nswe": "NSWE"}  # the goal offset's up, down, left, right
 
 
@@ -136,6 +137,7 @@ class MazeEnv:
         bump_feedback: bool = False,
         closer_mark: bool = False,
         offset_letters: str = "udlr",
+        noise_moves: str = "uniform",
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -166,6 +168,11 @@ class MazeEnv:
                 f"maze offset_letters must be one of {', '.join(OFFSET_LETTERS)}, "
                 f"got {offset_letters!r}"
             )
+        if noise_moves not in NOISE_MOVES:
+            raise ValueError(
+                f"maze noise_moves must be one of {', '.join(NOISE_MOVES)}, got {noise_moves!r}"
+            )
+        self.noise_moves = noise_moves
         self.closer_mark = closer_mark
         self.offset_letters = OFFSET_LETTERS[offset_letters]
         self.blocked = False  # the last move went into a wall (shown with bump_feedback)
@@ -351,13 +358,7 @@ class MazeEnv:
         for name, (dr, dc) in MOVES.items():
             r, c = self.pos[0] + dr, self.pos[1] + dc
             if self._open(r, c):
-                dead = (
-                    avoid_dead_ends
-                    and (r, c) != self.goal
-                    and not any(
-                        self._open(r + a, c + b) for a, b in MOVES.values() if (a, b) != (-dr, -dc)
-                    )
-                )
+                dead = avoid_dead_ends and self._dead_end(dr, dc)
                 seen = prefer_unvisited and (r, c) in self.visited
                 best.append((dead, seen, abs(gr - r) + abs(gc - c), "udlr".index(name), name))
         return min(best)[-1] if best else "u"  # boxed in: every move is a bump
@@ -366,4 +367,17 @@ class MazeEnv:
         return 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]
 
     def random_action(self, rng: np.random.Generator) -> str:
+        """A demonstration's noise move (``noise_moves``): ``uniform`` over u, d, l, r;
+        ``dead_end``: into a neighbouring dead end (open, not the goal, nothing open beyond it)
+        when there is one, so that SFT sees the way back out; else uniform."""
+        if self.noise_moves == "dead_end":
+            dead = [name for name, (dr, dc) in MOVES.items() if self._dead_end(dr, dc)]
+            if dead:
+                return str(rng.choice(dead))
         return str(rng.choice(list(MOVES)))
+
+    def _dead_end(self, dr: int, dc: int) -> bool:
+        r, c = self.pos[0] + dr, self.pos[1] + dc
+        if not self._open(r, c) or (r, c) == self.goal:
+            return False
+        return not any(self._open(r + a, c + b) for a, b in MOVES.values() if (a, b) != (-dr, -dc))
