@@ -651,3 +651,34 @@ def test_dead_end_noise_moves_enter_a_visible_dead_end():
     with pytest.raises(ValueError, match="noise_moves"):
         MazeEnv(noise_moves="walls")
     assert load_config(None, ["env.maze.noise_moves=dead_end"]).env.maze.noise_moves == "dead_end"
+
+
+def test_nearest_exit_order_lists_the_greedy_move_first():
+    """env.maze.exit_order=nearest: the same entries as u, d, l, r order, sorted by the
+    Manhattan distance of their cell to the goal (stable: ties keep u, d, l, r), so the greedy
+    demonstrator's move is the first letter after the goal offset, on every turn."""
+    import re
+
+    plain = MazeEnv(observation="exits", view=2, demonstrator="greedy")
+    near = MazeEnv(observation="exits", view=2, demonstrator="greedy", exit_order="nearest")
+    rng = np.random.default_rng(9)
+    for seed in range(30):
+        obs, want = near.reset(seed), plain.reset(seed)
+        while True:
+            offset, *entries = obs.split("\n")[-1][:-1].split(" ")
+            p_offset, *p_entries = want.split("\n")[-1][:-1].split(" ")
+            assert offset == p_offset and sorted(entries) == sorted(p_entries)
+            gr, gc = near.goal
+            dist = [abs(gr - _target(near, e[0])[0]) + abs(gc - _target(near, e[0])[1])
+                    for e in entries]  # fmt: skip
+            assert dist == sorted(dist)
+            assert [e for e in entries if re.match(r"[udlr]", e)] == entries
+            if entries:
+                assert entries[0][0] == near.expert_action(None)
+            if near.done:
+                break
+            move = near.random_action(rng) if rng.random() < 0.3 else near.expert_action(None)
+            obs, want = near.step(move)[0], plain.step(move)[0]
+    with pytest.raises(ValueError, match="exit_order"):
+        MazeEnv(exit_order="random")
+    assert load_config(None, ["env.maze.exit_order=nearest"]).env.maze.exit_order == "nearest"

@@ -184,6 +184,11 @@ class MazeConfig(_Section):
         "neighbouring dead end when there is one (masked, as every noise move), so that the "
         "teacher's way back out is trained.",
     )
+    exit_order: Literal["udlr", "nearest"] = Field(
+        "udlr",
+        description="exits: the open moves in the order u, d, l, r, or nearest (the move whose "
+        "cell is nearest the goal first; ties u, d, l, r).",
+    )
     offset_letters: Literal["udlr", "nswe"] = Field(
         "udlr",
         description="The goal offset's letters: udlr (u2r0, the move letters) or nswe (N2E0, "

@@ -64,7 +64,7 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
             m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation,
             demonstrator=m.demonstrator, bump_feedback=m.bump_feedback,
             closer_mark=m.closer_mark, offset_letters=m.offset_letters,
-            noise_moves=m.noise_moves,
+            noise_moves=m.noise_moves, exit_order=m.exit_order,
         )  # fmt: skip
     if cfg.name == "arithmetic":
         a = cfg.arithmetic

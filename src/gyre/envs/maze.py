@@ -57,6 +57,8 @@ Every action uses one move of the budget:
 Two variants of the ``exits`` view (both off by default): ``closer_mark`` puts ``*`` after the
 cell character of every open move that brings the agent nearer the goal (Manhattan distance;
 the goal offset says the same, here written where the move is: ``u4l2 r+UR l.*>``), and
+``exit_order="nearest"`` lists the open moves nearest the goal first (Manhattan distance of
+their cell; ties u, d, l, r, so the greedy demonstrator's move is always the first listed), and
 ``offset_letters="nswe"`` writes the goal offset with the compass letters ``N S W E`` instead of
 the move letters (``N4W2 r+UR l.*>``), so that no move letter appears outside the open moves.
 
@@ -82,6 +84,7 @@ WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
 OBSERVATIONS = ("compass", "exits", "window", "grid")
 DEMONSTRATORS = ("shortest", "greedy", "lookahead", "careful")
 NOISE_MOVES = ("uniform", "dead_end")
+EXIT_ORDERS = ("udlr", "nearest")
 OFFSET_LETTERS = {"udlr": "udlr", "nswe": "NSWE"}  # the goal offset's up, down, left, right
 
 
@@ -138,6 +141,7 @@ class MazeEnv:
         closer_mark: bool = False,
         offset_letters: str = "udlr",
         noise_moves: str = "uniform",
+        exit_order: str = "udlr",
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -173,6 +177,11 @@ class MazeEnv:
                 f"maze noise_moves must be one of {', '.join(NOISE_MOVES)}, got {noise_moves!r}"
             )
         self.noise_moves = noise_moves
+        if exit_order not in EXIT_ORDERS:
+            raise ValueError(
+                f"maze exit_order must be one of {', '.join(EXIT_ORDERS)}, got {exit_order!r}"
+            )
+        self.exit_order = exit_order
         self.closer_mark = closer_mark
         self.offset_letters = OFFSET_LETTERS[offset_letters]
         self.blocked = False  # the last move went into a wall (shown with bump_feedback)
@@ -276,7 +285,7 @@ class MazeEnv:
         """The open moves with their cells; with ``view=2`` each is followed by the moves that
         are open from that neighbour (upper case, the way back left out) and a space."""
         out = []
-        for name, (dr, dc) in MOVES.items():
+        for name, (dr, dc) in self._exit_moves():
             r, c = self.pos[0] + dr, self.pos[1] + dc
             cell = self._cell(r, c)
             if cell == "#":
@@ -291,6 +300,16 @@ class MazeEnv:
             )
             out.append(name + cell + self._closer(r, c) + onward)
         return ("" if self.view == 1 else " ").join(out)
+
+    def _exit_moves(self) -> list[tuple[str, tuple[int, int]]]:
+        """The moves in the order the exits view lists them: u, d, l, r, or with ``exit_order=
+        "nearest"`` by the Manhattan distance of their cell to the goal (ties: u, d, l, r)."""
+        moves = list(MOVES.items())
+        if self.exit_order == "nearest":
+            gr, gc = self.goal
+            pr, pc = self.pos
+            moves.sort(key=lambda m: abs(gr - pr - m[1][0]) + abs(gc - pc - m[1][1]))
+        return moves
 
     def _grid(self) -> list[str]:
         return ["".join(self._cell(r, c) for c in range(self.size)) for r in range(self.size)]
