@@ -54,13 +54,14 @@ Every action uses one move of the budget:
 - a move into a wall or off the grid leaves the agent in place;
 - a malformed action (anything else) also leaves the agent in place: a wasted move.
 
-Two variants of the ``exits`` view (both off by default): ``closer_mark`` puts ``*`` after the
-cell character of every open move that brings the agent nearer the goal (Manhattan distance;
-the goal offset says the same, here written where the move is: ``u4l2 r+UR l.*>``), and
-``exit_order="nearest"`` lists the open moves nearest the goal first (Manhattan distance of
-their cell; ties u, d, l, r, so the greedy demonstrator's move is always the first listed), and
-``offset_letters="nswe"`` writes the goal offset with the compass letters ``N S W E`` instead of
-the move letters (``N4W2 r+UR l.*>``), so that no move letter appears outside the open moves.
+Three variants of the ``exits`` view (all off by default; measured in docs/maze-experiments.md,
+"Session 12"): ``closer_mark`` puts ``*`` after the cell character of every open move that
+brings the agent nearer the goal (Manhattan distance; the goal offset says the same, here
+written where the move is: ``u4l2 r+UR l.*>``); ``exit_order="nearest"`` lists the open moves
+nearest the goal first (Manhattan distance of their cell; ties u, d, l, r, so the greedy
+demonstrator's move is always the first listed); ``offset_letters="nswe"`` writes the goal
+offset with the compass letters ``N S W E`` instead of the move letters (``N4W2 r+UR l.*>``),
+so that no move letter appears outside the open moves.
 
 With ``bump_feedback`` (off by default) the view after a move into a wall starts with ``!``
 (``!u4l2 r+UR>``: the last move was blocked), as a text adventure says "you can't go that way";
@@ -86,6 +87,11 @@ DEMONSTRATORS = ("shortest", "greedy", "lookahead", "careful")
 NOISE_MOVES = ("uniform", "dead_end")
 EXIT_ORDERS = ("udlr", "nearest")
 OFFSET_LETTERS = {"udlr": "udlr", "nswe": "NSWE"}  # the goal offset's up, down, left, right
+
+
+def _check_choice(name: str, value: str, allowed: Any) -> None:
+    if value not in allowed:
+        raise ValueError(f"maze {name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def parse_action(text: str) -> str | None:
@@ -151,36 +157,20 @@ class MazeEnv:
         self.wall_density = wall_density
         self.min_distance = min_distance
         self.budget_factor = budget_factor
-        if observation not in OBSERVATIONS:
-            raise ValueError(
-                f"maze observation must be one of {', '.join(OBSERVATIONS)}, got {observation!r}"
-            )
+        _check_choice("observation", observation, OBSERVATIONS)
         if observation == "exits" and view not in (1, 2):
             raise ValueError(
                 f"the exits observation looks one or two moves ahead (view=1 or 2), got view={view}"
             )
-        if demonstrator not in DEMONSTRATORS:
-            raise ValueError(
-                f"maze demonstrator must be one of {', '.join(DEMONSTRATORS)}, got {demonstrator!r}"
-            )
+        _check_choice("demonstrator", demonstrator, DEMONSTRATORS)
         self.view = view
         self.observation = observation
         self.demonstrator = demonstrator
         self.bump_feedback = bump_feedback
-        if offset_letters not in OFFSET_LETTERS:
-            raise ValueError(
-                f"maze offset_letters must be one of {', '.join(OFFSET_LETTERS)}, "
-                f"got {offset_letters!r}"
-            )
-        if noise_moves not in NOISE_MOVES:
-            raise ValueError(
-                f"maze noise_moves must be one of {', '.join(NOISE_MOVES)}, got {noise_moves!r}"
-            )
+        _check_choice("offset_letters", offset_letters, OFFSET_LETTERS)
+        _check_choice("noise_moves", noise_moves, NOISE_MOVES)
+        _check_choice("exit_order", exit_order, EXIT_ORDERS)
         self.noise_moves = noise_moves
-        if exit_order not in EXIT_ORDERS:
-            raise ValueError(
-                f"maze exit_order must be one of {', '.join(EXIT_ORDERS)}, got {exit_order!r}"
-            )
         self.exit_order = exit_order
         self.closer_mark = closer_mark
         self.offset_letters = OFFSET_LETTERS[offset_letters]
