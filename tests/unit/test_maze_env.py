@@ -476,19 +476,18 @@ def test_greedy_demonstrator_never_bumps_and_solves_about_sixty_percent():
     assert 0.5 < wins / 300 < 0.7  # 59.5 % on 2,000 held-out mazes
 
 
+def _hand_walls() -> np.ndarray:
+    """The hand maze of the demonstrator and noise tests (``#`` a wall; row 0 is all free)."""
+    grid = [".....", "####.", "#....", "##.##", "##..."]
+    return np.array([[ch == "#" for ch in row] for row in grid])
+
+
 def test_lookahead_demonstrator_skips_a_dead_end_that_greedy_enters():
     """A hand maze: the agent at (2, 2), the goal at (0, 0). Left leads to (2, 1), a dead end
     (walls above, below and to its left) that is closer to the goal; down and right lead on.
     greedy goes left, lookahead down (ties in the order u, d, l, r). In a dead end both take
     the only move, the way out; the goal itself is never treated as a dead end."""
-    grid = [
-        "G....",
-        "####.",
-        "#....",
-        "##.##",
-        "##...",
-    ]
-    walls = np.array([[ch == "#" for ch in row] for row in grid])
+    walls = _hand_walls()
     env = {d: MazeEnv(demonstrator=d, view=2, observation="exits") for d in ("greedy", "lookahead")}
     for e in env.values():
         e.walls, e.goal, e.pos = walls, (0, 0), (2, 2)
@@ -596,14 +595,7 @@ def test_careful_demonstrator_prefers_unvisited_cells_and_solves_about_ninety_pe
     at (2, 2), the goal at (0, 4) behind a wall row with a gap at (1, 4); right (2, 3) is
     closer and visited, down (3, 2) farther and new: lookahead goes right, careful down. On
     300 mazes it never bumps and solves far more than lookahead (1,000 held-out: 92.8 %)."""
-    grid = [
-        "....G",
-        "####.",
-        "#....",
-        "##.##",
-        "##...",
-    ]
-    walls = np.array([[ch == "#" for ch in row] for row in grid])
+    walls = _hand_walls()  # the goal cell is no wall: (0, 4) is free like (0, 0)
     env = {d: MazeEnv(demonstrator=d, view=2, observation="exits") for d in TEACHERS}
     for e in env.values():
         e.walls, e.goal, e.pos, e.visited = walls, (0, 4), (2, 2), {(2, 2), (2, 3)}
@@ -626,14 +618,7 @@ def test_dead_end_noise_moves_enter_a_visible_dead_end():
     """env.maze.noise_moves=dead_end: a noise move goes into a neighbouring dead end when there
     is one (the hand maze: left, (2, 1)); the goal never counts as one; elsewhere (no dead end
     next to the agent) it is uniform over u, d, l, r, like the default."""
-    grid = [
-        "G....",
-        "####.",
-        "#....",
-        "##.##",
-        "##...",
-    ]
-    walls = np.array([[ch == "#" for ch in row] for row in grid])
+    walls = _hand_walls()
     env = MazeEnv(view=2, observation="exits", noise_moves="dead_end")
     env.walls, env.goal, env.pos = walls, (0, 0), (2, 2)
     rng = np.random.default_rng(0)
