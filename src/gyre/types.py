@@ -44,6 +44,10 @@ class GenerationRequest:
     images: list[Any] = field(default_factory=list)
     """A VLM's images (HxWx3 uint8 arrays), one per image placeholder run in ``prompt_ids``,
     in order (docs/vision.md). Empty for text prompts."""
+    temperature: float | None = None
+    """This request's sampling temperature in place of ``SamplingParams.temperature`` (an
+    engine with ``per_request_temperature``; ``train.sampling.retry_temperature``). ``None``:
+    the batch's."""
 
 
 @dataclass

@@ -99,6 +99,22 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_retry(self) -> Config:
+        """``train.sampling.retry_temperature``: a retried turn is sampled at another
+        temperature than the rest, so its rollout log-probs are not the old policy's."""
+        t = self.train
+        if not t.sampling.retry_temperature:
+            return self
+        if t.algo.old_logprobs == "rollout":
+            raise ValueError(
+                "train.sampling.retry_temperature needs train.algo.old_logprobs auto, recompute "
+                "or current: a retried turn's rollout log-probs are at another temperature"
+            )
+        if t.source:
+            raise ValueError("train.sampling.retry_temperature: train.source episodes are recorded")
+        return self
+
+    @model_validator(mode="after")
     def _check_source(self) -> Config:
         """``train.source``: the recording's policy is ``model.path``; SFT on env demonstrations
         would change it first, so it is off unless asked for (and then refused); the recorded

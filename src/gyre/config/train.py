@@ -29,8 +29,15 @@ class SamplingConfig(_Section):
         description="GRPO: the last episode of each group is played greedily (temperature 0), "
         "so the update sees the policy's own greedy failures; 0 or 1 (docs/algorithms.md).",
     )
+    retry_temperature: float = Field(
+        0.0,
+        ge=0.0,
+        description="GRPO exploration: a turn that follows an invalid action (the env's "
+        "info['invalid'], e.g. a maze wall bump) is sampled at this temperature; 0 is off "
+        "(docs/algorithms.md).",
+    )
 
-    @field_validator("temperature")
+    @field_validator("temperature", "retry_temperature")
     @classmethod
     def _check_temperature(cls, v: float) -> float:
         if 0 < v < MIN_TEMPERATURE:

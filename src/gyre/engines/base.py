@@ -10,6 +10,8 @@ a finished completion's follow-up request join the running batch at once (contin
 batching); ``gyre.rollout.episodes.run_episodes`` uses it when present and falls back to
 lockstep turns.
 A request's ``seed`` keys its own random stream, so batching never changes its tokens.
+An engine whose class sets ``per_request_temperature = True`` samples a request with its own
+``temperature`` where set (``train.sampling.retry_temperature`` needs one).
 
 Engines that take weights from files also have ``load_adapter(path, version)`` (a peft adapter
 folder) and/or ``load_weights_from_disk(path, version)`` (a Hugging Face folder); both return

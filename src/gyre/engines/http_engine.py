@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,10 @@ def _httpx() -> Any:
 
 
 class HttpEngine:
-    """Engine over a set of OpenAI-compatible completion servers."""
+    """Engine over a set of OpenAI-compatible completion servers. A request's own
+    ``temperature`` is sent in its body in place of the batch's."""
+
+    per_request_temperature = True
 
     def __init__(
         self,
@@ -130,7 +133,7 @@ class HttpEngine:
                 )
         uris = _image_uris(requests)
         futures = [
-            self._pool.submit(self._complete, r.prompt_ids, params, i, uris[i])
+            self._pool.submit(self._complete, r.prompt_ids, _own_temperature(params, r), i, uris[i])
             for i, r in enumerate(requests)
         ]
         return [f.result() for f in futures]
@@ -458,6 +461,11 @@ def _parse_completion(data: dict[str, Any], url: str) -> Completion:
         return Completion([int(t) for t in ids], [float(x) for x in logprobs], reason, top)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ServerError(f"{url} returned a malformed completion: {exc!r}") from exc
+
+
+def _own_temperature(params: SamplingParams, req: GenerationRequest) -> SamplingParams:
+    """``params`` with the request's own temperature, where it sets one."""
+    return params if req.temperature is None else replace(params, temperature=req.temperature)
 
 
 def _image_uris(requests: list[GenerationRequest]) -> list[list[str]]:

@@ -96,6 +96,7 @@ class Row:
     reason: str = "length"
     images: list[Any] = field(default_factory=list)  # a VLM request's images (prompt order)
     next_pos: int = -1  # a VLM's rotary position of the next token (-1: not known yet)
+    temperature: float | None = None  # the request's own temperature (None: the batch's)
 
 
 class DecodeBatch:

@@ -68,7 +68,10 @@ class TorchEngine:
     rows as for 64, while the gather out of the grouped layout costs ~1 ms). ``lean_forward``
     (default on) runs Llama-family models through
     :class:`gyre.models.lean.LeanForward`, falling back to the HF forward for anything else.
+    A request's own ``temperature`` replaces the batch's for its tokens.
     """
+
+    per_request_temperature = True
 
     def __init__(
         self,
@@ -355,18 +358,27 @@ class TorchEngine:
     ) -> None:
         rows = [batch.rows[i] for i in pending]
         logits = batch.logits if len(pending) == len(batch.rows) else batch.logits[pending]
-        seeds = np.array([r.seed for r in rows], dtype=np.uint64)
-        counters = np.array([len(r.out_ids) for r in rows], dtype=np.uint64)
-        tokens, logps = sample_tokens_keyed(
-            logits, params.temperature, params.top_p, seeds, counters
-        )
+        temps = [params.temperature if r.temperature is None else r.temperature for r in rows]
         k = params.top_logprobs
-        if k > 0:
-            # The k most likely tokens under the distribution sampled from (after temperature
-            # and top-p), as OpenAI's ``logprobs``/``top_logprobs`` report them.
-            top = sampling_logprobs(logits, params.temperature, params.top_p).topk(k, dim=-1)
-            top_v, top_i = top.values.tolist(), top.indices.tolist()
-        for j, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist(), strict=True)):
+        tokens: list[int] = [0] * len(rows)
+        logps: list[float] = [0.0] * len(rows)
+        top_v: list[list[float]] = [[] for _ in rows]
+        top_i: list[list[int]] = [[] for _ in rows]
+        for temp in sorted(set(temps)):  # one draw per temperature (requests may set their own)
+            at = [j for j, t in enumerate(temps) if t == temp]
+            sub = logits if len(at) == len(rows) else logits[at]
+            seeds = np.array([rows[j].seed for j in at], dtype=np.uint64)
+            counters = np.array([len(rows[j].out_ids) for j in at], dtype=np.uint64)
+            tok, lp = sample_tokens_keyed(sub, temp, params.top_p, seeds, counters)
+            for j, t, v in zip(at, tok.tolist(), lp.tolist(), strict=True):
+                tokens[j], logps[j] = t, v
+            if k > 0:
+                # The k most likely tokens under the distribution sampled from (after
+                # temperature and top-p), as OpenAI's ``logprobs``/``top_logprobs`` report them.
+                top = sampling_logprobs(sub, temp, params.top_p).topk(k, dim=-1)
+                for j, v, ix in zip(at, top.values.tolist(), top.indices.tolist(), strict=True):
+                    top_v[j], top_i[j] = v, ix
+        for j, (row, tok, lp) in enumerate(zip(rows, tokens, logps, strict=True)):
             row.out_ids.append(tok)
             row.out_lp.append(lp)
             if k > 0:
@@ -423,7 +435,7 @@ class TorchEngine:
             pre.select(row_of, self.shared_prefix_attention)
         pre.rows = [
             Row(index, req.session, seed, list(req.prompt_ids), images=req.images,
-                next_pos=filled.next_pos)
+                next_pos=filled.next_pos, temperature=req.temperature)
             for (index, req, seed), filled in zip(items, pre.rows, strict=True)
         ]  # fmt: skip
         return pre

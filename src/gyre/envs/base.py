@@ -36,6 +36,8 @@ class Env(Protocol):
         ``info`` of the final step carries ``success`` (bool). An env may put a hashable
         ``info["state"]`` (the state the next action starts from) and offer ``state_key()`` (the
         state after ``reset``): the turn-level estimators (``gigpo``) group turns by it.
+        ``info["invalid"]`` true says the action changed nothing (a wall bump, an unparsable
+        move): with ``train.sampling.retry_temperature`` the next turn is sampled hotter.
         """
         ...
 

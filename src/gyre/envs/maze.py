@@ -238,6 +238,7 @@ class MazeEnv:
             "budget": self.budget,
             "malformed": move is None,
             "bumps": self.bumps,  # moves so far into a wall or off the grid (well-formed ones)
+            "invalid": move is None or self.blocked,  # this action changed nothing
             "state": self.state_key(),
         }
         return self.render(), (1.0 if success else 0.0), self.done, info

@@ -81,7 +81,17 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         "rollout/failed_episodes": float(sum(bool(t.info.get("failed")) for t in trajs)),
         **message_metrics(trajs),
         **greedy_metrics(trajs),
+        **retry_metrics(trajs),
     }
+
+
+def retry_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """``train.sampling.retry_temperature``: the share of turns sampled at it."""
+    if not any("retried_turns" in t.info for t in trajs):
+        return {}
+    turns = sum(t.num_turns for t in trajs)
+    retried = sum(int(t.info.get("retried_turns", 0)) for t in trajs)
+    return {"rollout/retried_turn_frac": retried / max(turns, 1)}
 
 
 def greedy_metrics(trajs: list[Trajectory]) -> dict[str, float]:
@@ -206,6 +216,7 @@ class Rollout:
         trajs = run_episodes(
             self.make_env, self.engine, self.tokenizer, seeds, G - greedy, params, stats,
             continuous=cfg.perf.continuous, chat=self.chat,
+            retry_temperature=cfg.train.sampling.retry_temperature,
         )  # fmt: skip
         if greedy:
             trajs = with_greedy_episodes(trajs, run_episodes(

@@ -93,6 +93,7 @@ def run_episodes(
     stats: RolloutStats | None = None,
     continuous: bool = True,
     chat: ChatMode | None = None,
+    retry_temperature: float = 0.0,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of every task seed, all turns batched through ``engine``.
 
@@ -103,6 +104,9 @@ def run_episodes(
     has one; otherwise (or off) turns are batched in lockstep.
     ``chat``: the envs are message-mode ones, rendered by a chat template
     (:mod:`gyre.rollout.chat`; the marked ``message mode`` lines below are its whole hook).
+    ``retry_temperature`` (``train.sampling.retry_temperature``, 0: off): a turn after one whose
+    env info has ``invalid`` true is sampled at that temperature (the engine must have
+    ``per_request_temperature``); ``info["retried_turns"]`` counts an episode's.
 
     Why one long function: the per-episode arrays (ids, masks, log-probs, turn spans) are shared
     by the reset, the turn callback and the trajectory assembly, and both batching modes drive
@@ -110,6 +114,11 @@ def run_episodes(
     It is the next refactor (session-7 note).
     """
     t0 = time.perf_counter()
+    if retry_temperature and not getattr(engine, "per_request_temperature", False):
+        raise ValueError(
+            f"train.sampling.retry_temperature: engine {type(engine).__name__} cannot sample a "
+            "request at its own temperature (no per_request_temperature)"
+        )
     n = len(task_seeds) * group_size
     envs = [make_env() for _ in range(n)]
     sessions = [next(_SESSION_COUNTER) for _ in range(n)]
@@ -121,6 +130,8 @@ def run_episodes(
     states: list[list[Any]] = [[] for _ in range(n)]
     turn_r: list[list[float]] = [[] for _ in range(n)]
     failed: set[int] = set()
+    retry = [False] * n  # the last action was invalid: sample the next at retry_temperature
+    retried = [0] * n
     chats: list[ChatEpisode | None] = [None] * n  # message mode: each episode's conversation
     # Texts repeat across a group (the same first observation G times, the same answers):
     # encode / decode each distinct one once per rollout (a tokenizer call costs ~50 us).
@@ -158,7 +169,8 @@ def run_episodes(
         prompt = ids[i] if c is None else c.prompt(ids[i])  # message mode: step-wise prompt
         seed = turn_seed(base_seed, i, turns[i])
         images = list(c.images) if c is not None else []  # a VLM's images of the prompt
-        return GenerationRequest(prompt, session=sessions[i], seed=seed, images=images)
+        temp = retry_temperature if retry[i] else None
+        return GenerationRequest(prompt, sessions[i], seed, images, temperature=temp)
 
     def finish_turn(i: int, out: Completion) -> bool:
         """Append the action and the env's answer to episode i; True if it goes on.
@@ -192,6 +204,8 @@ def run_episodes(
         reward[i] += r
         turn_r[i].append(float(r))
         infos[i] = info
+        retried[i] += retry[i]
+        retry[i] = bool(retry_temperature and info.get("invalid"))
         if c is not None and chat is not None:  # message mode: the next suffix, or the end
             obs_ids, end = chat.advance(c, obs, done, turns[i], len(ids[i]))
             if end is not None:
@@ -237,6 +251,8 @@ def run_episodes(
     for i in failed:  # a failed episode is kept for the record but never trained on
         mask[i] = [0] * len(mask[i])
         reward[i] = 0.0
+    if retry_temperature:
+        infos = [{**info, "retried_turns": retried[i]} for i, info in enumerate(infos)]
     trajs = [
         Trajectory(
             token_ids=ids[i],
