@@ -13,6 +13,7 @@ from gyre.algos import ADVANTAGES, TOKEN_LEVEL, Turns, compute_advantages, gigpo
 from gyre.algos.turns import (
     discounted_turn_returns,
     gigpo_step_advantages,
+    self_loop_turns,
     turn_returns_advantages,
     turn_rewards,
 )
@@ -229,3 +230,65 @@ def test_gigpo_maze_run_trains(tmp_path):
     assert moved > 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("train/grad_norm", 0.0) > 0 for r in rows)
+
+
+def test_self_loop_turns_are_those_that_leave_the_state_key_unchanged():
+    _, _, turns, _ = _bump_batch()
+    assert self_loop_turns(turns) == [[False, False], [True, False, False]]
+    # the last turn has no key after it; a missing key is never a self-loop
+    odd = Turns(spans=[[(1, 2), (3, 4)], [(1, 2), (3, 4)]], states=[[S, S], [None, None]])
+    assert self_loop_turns(odd) == [[True, False], [False, False]]
+
+
+def test_nonpositive_self_loops_take_the_positive_part_off_a_bump():
+    """Episode B bumps at S, then both reach the goal; a third episode C fails (reward 0), so
+    the episode advantage of A and B is positive and the bump inherits it."""
+    rewards = torch.tensor([1.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 0])
+    base = _bump_batch()[2]
+    turns = Turns(
+        spans=[*base.spans, [(1, 2), (3, 4)]],
+        states=[*base.states, [S, S]],  # C bumps twice at S
+        rewards=[*base.rewards, [0.0, 0.0]],
+    )
+    mask = torch.zeros(3, 7)
+    mask[0, [1, 3]] = 1
+    mask[1, [1, 3, 5]] = 1
+    mask[2, [1, 3]] = 1
+    kw = dict(loss_mask=mask, turns=turns, gamma=0.5, step_weight=0.1, eps=0.0)
+    keep = gigpo_advantages(rewards, groups, **kw)
+    clamp = gigpo_advantages(rewards, groups, **kw, self_loops="nonpositive")
+    # GRPO's episode advantage: rewards 1, 1, 0 -> mean 2/3, unbiased std 1/sqrt(3)
+    ep = (1 - 2 / 3) * math.sqrt(3)  # +0.57735 for A and B, -1.1547 for C
+    # Anchor S: A0 0.5, B0 0.25, B1 0.5, C0 0, C1 0 (C fails: all returns 0). mean 0.25,
+    # unbiased std sqrt((0.0625 + 0 + 0.0625 + 0.0625 + 0.0625) / 4) = 0.25:
+    # step advantages +1, 0, +1, -1, -1.
+    assert keep[1, 1] == pytest.approx(ep + 0.1 * 0.0)  # B's bump: positive before the clamp
+    assert clamp[1, 1] == 0.0  # ... and 0 after it
+    assert clamp[1, 3] == pytest.approx(ep + 0.1 * 1.0) == keep[1, 3]  # the move out: kept
+    assert clamp[2, 1] == pytest.approx(-2 * ep - 0.1) == keep[2, 1]  # C's first bump: negative
+    assert clamp[2, 3] == keep[2, 3]  # C's last turn: no key after it, never clamped
+    torch.testing.assert_close(clamp[0], keep[0])  # A has no self-loop
+    # turn_returns the same way (gamma 0.9: B's bump returns 0.81 against the episode
+    # returns' mean (0.9 + 0.81 + 0) / 3, so it is positive before the clamp)
+    tk = turn_returns_advantages(rewards, groups, loss_mask=mask, turns=turns, gamma=0.9)
+    tc = turn_returns_advantages(
+        rewards, groups, loss_mask=mask, turns=turns, gamma=0.9, self_loops="nonpositive"
+    )
+    assert tk[1, 1] > 0 and tc[1, 1] == 0.0
+    mask_other = torch.ones_like(tk, dtype=torch.bool)
+    mask_other[1, 1] = False
+    torch.testing.assert_close(tc[mask_other], tk[mask_other])
+    with pytest.raises(ValueError, match="self_loops"):
+        gigpo_advantages(rewards, groups, **kw, self_loops="clip")
+
+
+def test_self_loop_advantage_needs_a_turn_estimator():
+    from gyre.config import ConfigError, load_config
+
+    cfg = load_config(None, ["train.algo.self_loop_advantage=nonpositive"])
+    assert cfg.train.algo.self_loop_advantage == "nonpositive"
+    with pytest.raises(ConfigError, match="self_loop_advantage"):
+        load_config(
+            None, ["train.algo.self_loop_advantage=nonpositive", "train.algo.advantage=grpo"]
+        )

@@ -243,13 +243,14 @@ def compute_advantages(
     step_weight: float = 1.0,
     step_norm: str = "std",
     whiten_std: str = "population",
+    self_loops: str = "keep",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run estimator ``name``; returns (advantages (N,) or (N, T), value targets or None).
 
     Outcome estimators see ``rewards`` already shaped by the caller (a KL-in-reward penalty is
     summed into the per-trajectory reward); token estimators get ``token_rewards`` per token.
     The turn estimators (``gigpo``, ``turn_returns``) read ``turns``; ``gigpo`` also
-    ``step_weight`` and ``step_norm``; the whitening ones ``whiten_std``.
+    ``step_weight`` and ``step_norm``; both ``self_loops``; the whitening ones ``whiten_std``.
     """
     fn = get_advantage_fn(name)
     if name not in TOKEN_LEVEL:
@@ -260,7 +261,7 @@ def compute_advantages(
         kw: dict[str, Any] = {"step_weight": step_weight, "step_norm": step_norm}
         adv = fn(
             rewards, group_ids, loss_mask=loss_mask, turns=turns, gamma=gamma, eps=eps,
-            **(kw if name == "gigpo" else {}),
+            self_loops=self_loops, **(kw if name == "gigpo" else {}),
         )  # fmt: skip
         return adv, None
     if name in NEEDS_VALUES:

@@ -13,6 +13,13 @@ per-token advantages (N, T) that are constant over a turn's tokens and 0 elsewhe
 - ``turn_returns``: A_{i,k} = (R_{i,k} - mean_G) / (std_G + eps), with mean and unbiased std of
   the group's episode returns R_{i,0}. With gamma = 1 and only a final reward it is GRPO.
 
+Self-loops (``self_loops="nonpositive"``, ``train.algo.self_loop_advantage``): a turn whose
+action left the env's state key unchanged (the key after it equals the key before it: a wall
+bump) gets min(A, 0). In a deterministic env whose rewards are >= 0 such an action's true
+advantage is (gamma - 1) V(s) <= 0 (it only spends a turn), so a positive estimate, which a
+self-loop inherits from a successful episode, is noise. The last turn has no recorded key after
+it and is never one.
+
 Rewards: turn k's reward is the env's reward of that step; whatever the trajectory's final
 reward adds beyond the env's (reward functions, DAPO overlong shaping, KL in the reward) is
 added to the last turn, so sum_k r_{i,k} is always the reward the episode advantage uses.
@@ -109,6 +116,30 @@ def _spread(
     return out.float().to(loss_mask.device) * loss_mask
 
 
+def self_loop_turns(turns: Turns) -> list[list[bool]]:
+    """Per row and turn: the env's state key after the turn equals the key before it (never
+    for the last turn, whose key after is not recorded, nor for a missing key)."""
+    out = []
+    for i, spans in enumerate(turns.spans):
+        s = turns.states[i] if i < len(turns.states) else []
+        out.append(
+            [k + 1 < len(s) and s[k] is not None and s[k + 1] == s[k] for k in range(len(spans))]
+        )
+    return out
+
+
+def _clamp_self_loops(per_turn: list[list[float]], turns: Turns) -> list[list[float]]:
+    """min(A, 0) on the self-loop turns (:func:`self_loop_turns`)."""
+    loops = self_loop_turns(turns)
+    return [
+        [min(a, 0.0) if loop else a for a, loop in zip(row, lp, strict=True)]
+        for row, lp in zip(per_turn, loops, strict=True)
+    ]
+
+
+SELF_LOOPS = ("keep", "nonpositive")
+
+
 def _check(turns: Turns | None, n: int, name: str) -> Turns:
     if turns is None:
         raise ValueError(f"advantage estimator {name!r} needs the trajectories' turns")
@@ -163,15 +194,25 @@ def gigpo_advantages(
     step_weight: float = 1.0,
     step_norm: str = "std",
     eps: float = 1e-6,
+    self_loops: str = "keep",
 ) -> torch.Tensor:
     """GiGPO: GRPO's episode advantage plus ``step_weight`` x the anchor-state step advantage,
-    on each turn's tokens. Returns (N, T)."""
+    on each turn's tokens (``self_loops``: see the module docstring). Returns (N, T)."""
     turns = _check(turns, len(rewards), "gigpo")
+    _check_self_loops(self_loops)
     rewards = rewards.float().cpu()
     episode = grpo_advantages(rewards, group_ids, eps)
     step = gigpo_step_advantages(rewards, group_ids, turns, gamma, eps, step_norm)
     scaled = [[step_weight * a for a in row] for row in step]
-    return _spread(scaled, turns, episode, loss_mask)
+    if self_loops == "keep":
+        return _spread(scaled, turns, episode, loss_mask)
+    total = [[float(episode[i]) + a for a in row] for i, row in enumerate(scaled)]
+    return _spread(_clamp_self_loops(total, turns), turns, episode, loss_mask, add_base=False)
+
+
+def _check_self_loops(mode: str) -> None:
+    if mode not in SELF_LOOPS:
+        raise ValueError(f"self_loops must be one of {', '.join(SELF_LOOPS)}, got {mode!r}")
 
 
 def turn_returns_advantages(
@@ -182,15 +223,19 @@ def turn_returns_advantages(
     turns: Turns | None = None,
     gamma: float = 1.0,
     eps: float = 1e-6,
+    self_loops: str = "keep",
 ) -> torch.Tensor:
     """Each turn's discounted return-to-go, normalised by its group's episode-return mean and
     unbiased std (see the module docstring). Returns (N, T)."""
     turns = _check(turns, len(rewards), "turn_returns")
+    _check_self_loops(self_loops)
     rewards = rewards.float().cpu()
     r = turn_rewards(rewards, turns)
     rets = [discounted_turn_returns(x, gamma) for x in r]
     first = torch.tensor([x[0] if x else float(rewards[i]) for i, x in enumerate(rets)])
     mean, std, _ = _group_stats(first, group_ids.cpu())
     per_turn = [[float((R - mean[i]) / (std[i] + eps)) for R in rets[i]] for i in range(len(rets))]
+    if self_loops != "keep":
+        per_turn = _clamp_self_loops(per_turn, turns)
     base = (first - mean) / (std + eps)  # rows without turns: their episode advantage
     return _spread(per_turn, turns, base, loss_mask, add_base=False)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
 from gyre.config.base import (
     MAX_LR,
@@ -64,6 +61,15 @@ class SFTConfig(_Section):
 
 class AlgoConfig(_Section):
     """The RL algorithm beyond GRPO's defaults; every formula is in docs/algorithms.md."""
+
+    @model_validator(mode="after")
+    def _check_self_loops(self) -> AlgoConfig:
+        if self.self_loop_advantage != "keep" and self.advantage not in ("gigpo", "turn_returns"):
+            raise ValueError(
+                "self_loop_advantage needs a turn-level advantage (gigpo or turn_returns), "
+                f"not {self.advantage}"
+            )
+        return self
 
     @property
     def discount(self) -> float:
@@ -134,6 +140,11 @@ class AlgoConfig(_Section):
         "std",
         description="gigpo: step advantages divided by the anchor group's std, or mean-centred "
         "only (the paper's F_norm = 1).",
+    )
+    self_loop_advantage: Literal["keep", "nonpositive"] = Field(
+        "keep",
+        description="gigpo, turn_returns: a turn that leaves the env's state key unchanged (a "
+        "maze wall bump) gets min(A, 0), its true advantage's sign (docs/algorithms.md).",
     )
     whiten_std: Literal["population", "unbiased"] = Field(
         "population",

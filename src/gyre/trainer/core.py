@@ -235,7 +235,7 @@ class Trainer:
 def _estimator_kw(algo: AlgoConfig, trajs: list[Trajectory]) -> dict[str, Any]:
     """The estimator keywords beyond eps / gamma / lam that ``algo.advantage`` reads."""
     if algo.advantage in NEEDS_TURNS:
-        kw: dict[str, Any] = {"turns": Turns.of(trajs)}
+        kw: dict[str, Any] = {"turns": Turns.of(trajs), "self_loops": algo.self_loop_advantage}
         if algo.advantage == "gigpo":
             kw.update(step_weight=algo.gigpo_step_weight, step_norm=algo.gigpo_step_norm)
         return kw
