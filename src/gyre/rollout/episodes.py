@@ -103,15 +103,11 @@ def run_episodes(
     ``continuous`` (``perf.continuous``) uses the engine's ``generate_continuous`` where it
     has one; otherwise (or off) turns are batched in lockstep.
     ``chat``: the envs are message-mode ones, rendered by a chat template
-    (:mod:`gyre.rollout.chat`; the marked ``message mode`` lines below are its whole hook).
+    (:mod:`gyre.rollout.chat`; the marked ``message mode`` lines of :class:`_Episodes` are its
+    whole hook).
     ``retry_temperature`` (``train.sampling.retry_temperature``, 0: off): a turn after one whose
     env info has ``invalid`` true is sampled at that temperature (the engine must have
     ``per_request_temperature``); ``info["retried_turns"]`` counts an episode's.
-
-    Why one long function: the per-episode arrays (ids, masks, log-probs, turn spans) are shared
-    by the reset, the turn callback and the trajectory assembly, and both batching modes drive
-    the same callback; an ``_Episodes`` state class would cut it up without hiding any of that.
-    It is the next refactor (session-7 note).
     """
     t0 = time.perf_counter()
     if retry_temperature and not getattr(engine, "per_request_temperature", False):
@@ -119,112 +115,8 @@ def run_episodes(
             f"train.sampling.retry_temperature: engine {type(engine).__name__} cannot sample a "
             "request at its own temperature (no per_request_temperature)"
         )
-    n = len(task_seeds) * group_size
-    envs = [make_env() for _ in range(n)]
-    sessions = [next(_SESSION_COUNTER) for _ in range(n)]
-    ids: list[list[int]] = []
-    mask: list[list[int]] = []
-    lps: list[list[float]] = []
-    infos: list[dict] = [{} for _ in range(n)]
-    spans: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    states: list[list[Any]] = [[] for _ in range(n)]
-    turn_r: list[list[float]] = [[] for _ in range(n)]
-    failed: set[int] = set()
-    retry = [False] * n  # the last action was invalid: sample the next at retry_temperature
-    retried = [0] * n
-    chats: list[ChatEpisode | None] = [None] * n  # message mode: each episode's conversation
-    # Texts repeat across a group (the same first observation G times, the same answers):
-    # encode / decode each distinct one once per rollout (a tokenizer call costs ~50 us).
-    first_ids = _memo(lambda text: prompt_ids(tokenizer, text))
-    encode = _memo(lambda text: encode_obs(tokenizer, text))
-    decode = _memo(lambda key: tokenizer.decode(list(key), skip_special_tokens=True))
-    for k, seed in enumerate(task_seeds):
-        for j in range(group_size):
-            i = k * group_size + j
-            try:
-                first_obs = envs[i].reset(int(seed))
-            except Exception:
-                infos[i] = _env_failure(i, int(seed), "reset")
-                failed.add(i)
-                first_obs = ""
-            states[i].append(initial_state(envs[i]))
-            if chat is not None and i not in failed:  # message mode
-                chats[i] = chat.episode()
-                first = chats[i].start(first_obs)
-            else:
-                first = list(first_ids(first_obs)) or [tokenizer.pad_token_id]
-            ids.append(first)
-            mask.append([0] * len(first))
-            lps.append([0.0] * len(first))
-    reward = [0.0] * n
-    turns = [0] * n
-    truncated = [False] * n
-    gen_tokens = 0
-    base_seed = params.seed
-    # Seed once per rollout: re-seeding every turn would replay the same random draws.
-    params = replace(params, seed=None)
-
-    def request(i: int) -> GenerationRequest:
-        c = chats[i]
-        prompt = ids[i] if c is None else c.prompt(ids[i])  # message mode: step-wise prompt
-        seed = turn_seed(base_seed, i, turns[i])
-        images = list(c.images) if c is not None else []  # a VLM's images of the prompt
-        temp = retry_temperature if retry[i] else None
-        return GenerationRequest(prompt, sessions[i], seed, images, temperature=temp)
-
-    def finish_turn(i: int, out: Completion) -> bool:
-        """Append the action and the env's answer to episode i; True if it goes on.
-
-        An env that raises in ``step`` ends the episode as failed (see :func:`_env_failure`).
-        """
-        nonlocal gen_tokens
-        toks, reason = out.token_ids, out.finish_reason
-        cut = cut_at_stop(toks, params.stop_strings, decode)
-        if cut is not None:  # a stop string: keep the sampled ids up to the token completing it
-            toks, reason = toks[:cut], "stop"
-        spans[i].append((len(ids[i]), len(ids[i]) + len(toks)))
-        ids[i].extend(toks)
-        mask[i].extend([1] * len(toks))
-        lps[i].extend(out.logprobs[: len(toks)])
-        gen_tokens += len(toks)
-        truncated[i] = reason == "length"
-        c = chats[i]
-        if c is None:
-            text = decode(tuple(toks))
-        else:  # message mode
-            text = c.reply(Completion(list(toks), out.logprobs[: len(toks)], reason))
-        turns[i] += 1
-        try:
-            fault_point("env.step")  # GYRE_FAULT=env.step:raise (tests): as if the env raised
-            obs, r, done, info = envs[i].step(text)
-        except Exception:
-            infos[i] = _env_failure(i, int(task_seeds[i // group_size]), "step")
-            failed.add(i)
-            return False
-        reward[i] += r
-        turn_r[i].append(float(r))
-        infos[i] = info
-        retried[i] += retry[i]
-        retry[i] = bool(retry_temperature and info.get("invalid"))
-        if c is not None and chat is not None:  # message mode: the next suffix, or the end
-            obs_ids, end = chat.advance(c, obs, done, turns[i], len(ids[i]))
-            if end is not None:
-                ids[i].extend(obs_ids)  # the template's closing glue (mask 0)
-                mask[i].extend([0] * len(obs_ids))
-                lps[i].extend([0.0] * len(obs_ids))
-                infos[i] = {**info, **end}
-                return False
-        elif done:
-            return False
-        else:
-            obs_ids = encode(obs)  # only read (extended into the row), never changed
-        states[i].append(info.get("state"))  # the state the next turn's action starts from
-        ids[i].extend(obs_ids)
-        mask[i].extend([0] * len(obs_ids))
-        lps[i].extend([0.0] * len(obs_ids))
-        return True
-
-    start = [i for i in range(n) if i not in failed]  # episodes whose reset succeeded
+    eps = _Episodes(make_env, tokenizer, task_seeds, group_size, params, chat, retry_temperature)
+    start = [i for i in range(eps.n) if i not in eps.failed]  # episodes whose reset succeeded
     if continuous and hasattr(engine, "generate_continuous"):
         # Continuous batching: an episode's next turn joins the running batch the moment its
         # action is done, instead of waiting for every other episode's turn to finish.
@@ -232,54 +124,185 @@ def run_episodes(
 
         def on_complete(index: int, out: Completion) -> GenerationRequest | None:
             i = episode_of[index]
-            if not finish_turn(i, out):
-                engine.release([sessions[i]])
+            if not eps.finish_turn(i, out):
+                engine.release([eps.sessions[i]])
                 return None
             episode_of.append(i)
-            return request(i)
+            return eps.request(i)
 
         if start:
-            engine.generate_continuous([request(i) for i in start], params, on_complete)
+            engine.generate_continuous([eps.request(i) for i in start], eps.params, on_complete)
     else:
         active = start
         while active:
-            outs = engine.generate([request(i) for i in active], params)
-            still = [i for i, out in zip(active, outs, strict=True) if finish_turn(i, out)]
+            outs = engine.generate([eps.request(i) for i in active], eps.params)
+            still = [i for i, out in zip(active, outs, strict=True) if eps.finish_turn(i, out)]
             kept = set(still)
-            engine.release(sessions[i] for i in active if i not in kept)
+            engine.release(eps.sessions[i] for i in active if i not in kept)
             active = still
-    for i in failed:  # a failed episode is kept for the record but never trained on
-        mask[i] = [0] * len(mask[i])
-        reward[i] = 0.0
-    if retry_temperature:
-        infos = [{**info, "retried_turns": retried[i]} for i, info in enumerate(infos)]
-    trajs = [
-        Trajectory(
-            token_ids=ids[i],
-            loss_mask=mask[i],
-            rollout_logprobs=lps[i],
-            reward=reward[i],
-            group_id=i // group_size,
-            policy_version=engine.version,
-            num_turns=turns[i],
-            success=bool(infos[i].get("success", False)),
-            task_seed=int(task_seeds[i // group_size]),
-            info=infos[i],
-            truncated=truncated[i] or bool(infos[i].get("truncated_limit")),
-            turn_spans=spans[i],
-            turn_states=states[i][: len(spans[i])],
-            turn_rewards=turn_r[i] + [0.0] * (len(spans[i]) - len(turn_r[i])),
-            steps=_steps(chats[i]) if i not in failed else None,
-            images=chats[i].images if chats[i] is not None else [],
-        )
-        for i in range(n)
-    ]
+    trajs = eps.trajectories(engine.version)
     if stats is not None:
         stats.seconds += time.perf_counter() - t0
-        stats.generated_tokens += gen_tokens
-        stats.turns += sum(turns)
-        stats.failed_episodes += len(failed)
+        stats.generated_tokens += eps.gen_tokens
+        stats.turns += sum(eps.turns)
+        stats.failed_episodes += len(eps.failed)
     return trajs
+
+
+class _Episodes:
+    """The per-episode state of one :func:`run_episodes` call: token ids, loss masks, rollout
+    log-probs, turn spans / states / rewards, infos, the envs and (message mode) the
+    conversations. :meth:`request` builds an episode's next generation request,
+    :meth:`finish_turn` appends a completion and the env's answer, :meth:`trajectories`
+    assembles the result; both batching modes of :func:`run_episodes` drive the same two."""
+
+    def __init__(
+        self,
+        make_env: Callable[[], Env],
+        tokenizer: PreTrainedTokenizerBase,
+        task_seeds: Sequence[int],
+        group_size: int,
+        params: SamplingParams,
+        chat: ChatMode | None,
+        retry_temperature: float,
+    ) -> None:
+        self.task_seeds, self.group_size, self.chat = task_seeds, group_size, chat
+        self.retry_temperature = retry_temperature
+        n = self.n = len(task_seeds) * group_size
+        self.envs = [make_env() for _ in range(n)]
+        self.sessions = [next(_SESSION_COUNTER) for _ in range(n)]
+        self.ids: list[list[int]] = []
+        self.mask: list[list[int]] = []
+        self.lps: list[list[float]] = []
+        self.infos: list[dict] = [{} for _ in range(n)]
+        self.spans: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.states: list[list[Any]] = [[] for _ in range(n)]
+        self.turn_r: list[list[float]] = [[] for _ in range(n)]
+        self.failed: set[int] = set()
+        self.retry = [False] * n  # the last action was invalid: the next at retry_temperature
+        self.retried = [0] * n
+        self.chats: list[ChatEpisode | None] = [None] * n  # message mode: the conversations
+        # Texts repeat across a group (the same first observation G times, the same answers):
+        # encode / decode each distinct one once per rollout (a tokenizer call costs ~50 us).
+        first_ids = _memo(lambda text: prompt_ids(tokenizer, text))
+        self.encode = _memo(lambda text: encode_obs(tokenizer, text))
+        self.decode = _memo(lambda key: tokenizer.decode(list(key), skip_special_tokens=True))
+        for k, seed in enumerate(task_seeds):
+            for j in range(group_size):
+                i = k * group_size + j
+                try:
+                    first_obs = self.envs[i].reset(int(seed))
+                except Exception:
+                    self.infos[i] = _env_failure(i, int(seed), "reset")
+                    self.failed.add(i)
+                    first_obs = ""
+                self.states[i].append(initial_state(self.envs[i]))
+                if chat is not None and i not in self.failed:  # message mode
+                    self.chats[i] = chat.episode()
+                    first = self.chats[i].start(first_obs)
+                else:
+                    first = list(first_ids(first_obs)) or [tokenizer.pad_token_id]
+                self.ids.append(first)
+                self.mask.append([0] * len(first))
+                self.lps.append([0.0] * len(first))
+        self.reward = [0.0] * n
+        self.turns = [0] * n
+        self.truncated = [False] * n
+        self.gen_tokens = 0
+        self.base_seed = params.seed
+        # Seed once per rollout: re-seeding every turn would replay the same random draws.
+        self.params = replace(params, seed=None)
+
+    def request(self, i: int) -> GenerationRequest:
+        c = self.chats[i]
+        prompt = self.ids[i] if c is None else c.prompt(self.ids[i])  # message mode: step-wise
+        seed = turn_seed(self.base_seed, i, self.turns[i])
+        images = list(c.images) if c is not None else []  # a VLM's images of the prompt
+        temp = self.retry_temperature if self.retry[i] else None
+        return GenerationRequest(prompt, self.sessions[i], seed, images, temperature=temp)
+
+    def finish_turn(self, i: int, out: Completion) -> bool:
+        """Append the action and the env's answer to episode i; True if it goes on.
+
+        An env that raises in ``step`` ends the episode as failed (see :func:`_env_failure`).
+        """
+        toks, reason = out.token_ids, out.finish_reason
+        cut = cut_at_stop(toks, self.params.stop_strings, self.decode)
+        if cut is not None:  # a stop string: keep the sampled ids up to the token completing it
+            toks, reason = toks[:cut], "stop"
+        ids = self.ids[i]
+        self.spans[i].append((len(ids), len(ids) + len(toks)))
+        self._append(i, toks, 1, out.logprobs[: len(toks)])
+        self.gen_tokens += len(toks)
+        self.truncated[i] = reason == "length"
+        c = self.chats[i]
+        if c is None:
+            text = self.decode(tuple(toks))
+        else:  # message mode
+            text = c.reply(Completion(list(toks), out.logprobs[: len(toks)], reason))
+        self.turns[i] += 1
+        try:
+            fault_point("env.step")  # GYRE_FAULT=env.step:raise (tests): as if the env raised
+            obs, r, done, info = self.envs[i].step(text)
+        except Exception:
+            self.infos[i] = _env_failure(i, int(self.task_seeds[i // self.group_size]), "step")
+            self.failed.add(i)
+            return False
+        self.reward[i] += r
+        self.turn_r[i].append(float(r))
+        self.infos[i] = info
+        self.retried[i] += self.retry[i]
+        self.retry[i] = bool(self.retry_temperature and info.get("invalid"))
+        if c is not None and self.chat is not None:  # message mode: the next suffix, or the end
+            obs_ids, end = self.chat.advance(c, obs, done, self.turns[i], len(ids))
+            if end is not None:
+                self._append(i, obs_ids, 0)  # the template's closing glue (mask 0)
+                self.infos[i] = {**info, **end}
+                return False
+        elif done:
+            return False
+        else:
+            obs_ids = self.encode(obs)  # only read (extended into the row), never changed
+        self.states[i].append(info.get("state"))  # the state the next turn's action starts from
+        self._append(i, obs_ids, 0)
+        return True
+
+    def _append(self, i: int, toks: Sequence[int], m: int, lps: Sequence[float] = ()) -> None:
+        """Extend episode i by ``toks`` with loss mask ``m`` and log-probs ``lps`` (0 if none)."""
+        self.ids[i].extend(toks)
+        self.mask[i].extend([m] * len(toks))
+        self.lps[i].extend(lps if m else [0.0] * len(toks))
+
+    def trajectories(self, version: int) -> list[Trajectory]:
+        """The episodes as trajectories (a failed one kept for the record, never trained on)."""
+        infos = self.infos
+        for i in self.failed:
+            self.mask[i] = [0] * len(self.mask[i])
+            self.reward[i] = 0.0
+        if self.retry_temperature:
+            infos = [{**info, "retried_turns": self.retried[i]} for i, info in enumerate(infos)]
+        G, spans, chats = self.group_size, self.spans, self.chats
+        return [
+            Trajectory(
+                token_ids=self.ids[i],
+                loss_mask=self.mask[i],
+                rollout_logprobs=self.lps[i],
+                reward=self.reward[i],
+                group_id=i // G,
+                policy_version=version,
+                num_turns=self.turns[i],
+                success=bool(infos[i].get("success", False)),
+                task_seed=int(self.task_seeds[i // G]),
+                info=infos[i],
+                truncated=self.truncated[i] or bool(infos[i].get("truncated_limit")),
+                turn_spans=spans[i],
+                turn_states=self.states[i][: len(spans[i])],
+                turn_rewards=self.turn_r[i] + [0.0] * (len(spans[i]) - len(self.turn_r[i])),
+                steps=_steps(chats[i]) if i not in self.failed else None,
+                images=chats[i].images if chats[i] is not None else [],
+            )
+            for i in range(self.n)
+        ]
 
 
 def initial_state(env: Env) -> Any:
