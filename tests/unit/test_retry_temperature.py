@@ -203,7 +203,9 @@ def test_bad_settings_name_the_field(extra, field):
         load_config(None, extra)
 
 
-def test_a_maze_run_with_retries_logs_their_share(tmp_path):
+def test_a_maze_run_with_retries_and_clamped_self_loops_logs_their_shares(tmp_path):
+    """Both bump levers in one short run: the retries' share and the self-loop turns' share
+    (``train.algo.self_loop_advantage=nonpositive``, the turns whose advantage is clamped)."""
     import gyre.runners
 
     run = tmp_path / "run"
@@ -212,6 +214,7 @@ def test_a_maze_run_with_retries_logs_their_share(tmp_path):
         "sft.steps=20", "sft.demos=100", "sft.batch_size=16", "sft.lr=0.01",
         "train.steps=2", "train.tasks_per_step=4", "train.group_size=4",
         "train.sampling.retry_temperature=2.0", "train.algo.rollout_is=truncate",
+        "train.algo.self_loop_advantage=nonpositive",
         "eval.episodes=4", "eval.every=0", "checkpoint.every=0", "log.console=off",
         "run.threads=1", f"run.dir={run}",
     ])  # fmt: skip
@@ -220,5 +223,7 @@ def test_a_maze_run_with_retries_logs_their_share(tmp_path):
     steps = [r for r in rows if "rollout/retried_turn_frac" in r]
     assert len(steps) == 2
     assert all(0.0 < r["rollout/retried_turn_frac"] < 1.0 for r in steps)
+    # a retried turn follows a bump, and a bump keeps the cell: self-loops are there too
+    assert all(0.0 < r["train/self_loop_turn_frac"] < 1.0 for r in steps)
     assert np.isfinite([r["train/loss"] for r in rows if "train/loss" in r]).all()
     assert torch.isfinite(torch.tensor([r["rollout/reward_mean"] for r in steps])).all()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gyre.algos.advantages import NEEDS_TURNS, WHITENS
-from gyre.algos.turns import Turns
+from gyre.algos.turns import Turns, self_loop_turns
 from gyre.checkpoint.resume import Checkpointer, check_parameters_finite
 from gyre.checkpoint.snapshot import load_into, seed_everything
 from gyre.config import AlgoConfig, Config
@@ -148,6 +148,9 @@ class Trainer:
             **_estimator_kw(algo, trajs),
         )  # fmt: skip
         m.update(adv_m)
+        if algo.advantage in NEEDS_TURNS and algo.self_loop_advantage != "keep":
+            loops = [x for row in self_loop_turns(Turns.of(trajs)) for x in row]
+            m["train/self_loop_turn_frac"] = sum(loops) / max(len(loops), 1)
         gen = torch.Generator()
         gen.manual_seed(cfg.run.seed * 100_003 + step)
         comm = self.comm
