@@ -57,6 +57,11 @@ class SFTConfig(_Section):
     noise: float = Field(
         0.25, ge=0.0, le=1.0, description="Probability that the demonstrator makes a random move."
     )
+    successful_only: bool = Field(
+        False,
+        description="Keep only demonstrations that succeed (filtered behaviour cloning): the SFT "
+        "task stream goes on until sft.demos successes (docs/algorithms.md).",
+    )
 
 
 class AlgoConfig(_Section):

@@ -8,6 +8,7 @@ it in its own (driver) process before GRPO.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
     key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
            "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab(),
+           "successful_only": cfg.sft.successful_only,
            "terminator": list(terminator)}  # fmt: skip
     if chat is not None:  # the rendering depends on the template, the limits, the image side
         vision = vision_of(tokenizer)
@@ -74,20 +76,36 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
     demos = cached(
         run_dir / "sft_demos.pt",
         key,
-        lambda: _pack_images([
-            demonstrate(
-                make_env,
-                tokenizer,
-                train_seed(cfg.run.seed, STREAM_SFT, k),
-                cfg.sft.noise,
-                rng,
-                terminator=terminator,
-                chat=chat,
-            )
-            for k in range(cfg.sft.demos)
-        ]),
+        lambda: _pack_images(_demos(
+            lambda k: demonstrate(
+                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng,
+                terminator=terminator, chat=chat,
+            ),
+            cfg.sft.demos, cfg.sft.successful_only,
+        )),
     )  # fmt: skip
     return _unpack_images(demos)
+
+
+MAX_TRIES_PER_DEMO = 20  # sft.successful_only: tries per kept demonstration before giving up
+
+
+def _demos(play: Callable[[int], Trajectory], n: int, successful_only: bool) -> list[Trajectory]:
+    """Demonstrations 0, 1, .. of the SFT stream: the first ``n``, or with ``successful_only``
+    the first ``n`` that succeed (at most ``MAX_TRIES_PER_DEMO`` x ``n`` played)."""
+    if not successful_only:
+        return [play(k) for k in range(n)]
+    kept: list[Trajectory] = []
+    for k in range(MAX_TRIES_PER_DEMO * n):
+        demo = play(k)
+        if demo.success:
+            kept.append(demo)
+            if len(kept) == n:
+                return kept
+    raise ValueError(
+        f"sft.successful_only: {len(kept)} of {MAX_TRIES_PER_DEMO * n} demonstrations succeeded, "
+        f"fewer than sft.demos={n}; lower sft.noise or sft.demos, or set successful_only=false"
+    )
 
 
 def _pack_images(demos: list[Trajectory]) -> list[Trajectory]:

@@ -1,0 +1,50 @@
+"""``sft.successful_only``: filtered behaviour cloning keeps only the demonstrations that
+succeed, going on along the SFT task stream until ``sft.demos`` of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre.config import load_config
+from gyre.models.build import build_char_tokenizer
+from gyre.trainer.warmstart import MAX_TRIES_PER_DEMO, _demos, demonstrations
+from gyre.types import Trajectory
+
+
+def _traj(k: int, success: bool) -> Trajectory:
+    return Trajectory(
+        token_ids=[1], loss_mask=[0], rollout_logprobs=[0.0], reward=float(success),
+        group_id=0, policy_version=-1, num_turns=1, success=success, task_seed=k,
+    )  # fmt: skip
+
+
+def test_only_successes_are_kept_in_stream_order():
+    played: list[int] = []
+
+    def play(k: int) -> Trajectory:
+        played.append(k)
+        return _traj(k, k % 3 == 0)
+
+    kept = _demos(play, 4, successful_only=True)
+    assert [t.task_seed for t in kept] == [0, 3, 6, 9]
+    assert played == list(range(10))  # stops at the 4th success
+    assert [t.task_seed for t in _demos(play, 4, successful_only=False)] == [0, 1, 2, 3]
+
+
+def test_too_few_successes_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"sft.successful_only: 1 of 60 .*sft.demos=3"):
+        _demos(lambda k: _traj(k, k == 5), 3, successful_only=True)
+    assert MAX_TRIES_PER_DEMO == 20
+
+
+def test_maze_demonstrations_are_all_successes_and_cached_apart(tmp_path):
+    tok = build_char_tokenizer()
+    base = ["sft.demos=40", "sft.noise=0.25", f"run.dir={tmp_path}"]
+    every = demonstrations(load_config(None, base), tmp_path, tok)
+    good = demonstrations(load_config(None, [*base, "sft.successful_only=true"]), tmp_path, tok)
+    assert len(every) == len(good) == 40
+    assert not all(t.success for t in every)  # the greedy teacher with noise fails some
+    assert all(t.success for t in good)
+    # the successes of the unfiltered stream are the filtered stream's first ones, in order
+    firsts = [t.token_ids for t in every if t.success]
+    assert [t.token_ids for t in good[: len(firsts)]] == firsts
