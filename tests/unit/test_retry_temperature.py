@@ -62,8 +62,8 @@ class Wall:
     """A user's env, outside the package: ``"b"`` bumps (invalid), ``"g"`` reaches the goal,
     anything else is a legal move that changes nothing of note."""
 
-    def __init__(self, script: list[str]):
-        self.script, self.turn = script, 0
+    def __init__(self) -> None:
+        self.turn = 0
 
     def reset(self, seed: int) -> str:
         self.turn = 0
@@ -103,7 +103,7 @@ def _temp(req: GenerationRequest) -> float | None:
 def test_the_turn_after_an_invalid_action_is_retried_hotter(tokenizer):
     engine = ScriptEngine(tokenizer, ["b\n", "b\n", "u\n", "b\n"])
     trajs = run_episodes(
-        lambda: Wall([]), engine, tokenizer, [0], 1, _params(0.6), continuous=False,
+        lambda: Wall(), engine, tokenizer, [0], 1, _params(0.6), continuous=False,
         retry_temperature=2.5,
     )  # fmt: skip
     assert engine.seen == [None, 2.5, 2.5, None]
@@ -111,7 +111,7 @@ def test_the_turn_after_an_invalid_action_is_retried_hotter(tokenizer):
     m = rollout_metrics(trajs, 1)
     assert m["rollout/retried_turn_frac"] == pytest.approx(2 / 4)
     off = ScriptEngine(tokenizer, ["b\n", "b\n", "u\n", "b\n"])
-    plain = run_episodes(lambda: Wall([]), off, tokenizer, [0], 1, _params(0.6), continuous=False)
+    plain = run_episodes(lambda: Wall(), off, tokenizer, [0], 1, _params(0.6), continuous=False)
     assert off.seen == [None] * 4 and "retried_turns" not in plain[0].info
     assert "rollout/retried_turn_frac" not in rollout_metrics(plain, 1)
 
@@ -120,7 +120,7 @@ def test_an_engine_without_per_request_temperature_is_refused(tokenizer):
     engine = ScriptEngine(tokenizer, ["u\n"] * 4)
     engine.per_request_temperature = False
     with pytest.raises(ValueError, match=r"retry_temperature.*per_request_temperature"):
-        run_episodes(lambda: Wall([]), engine, tokenizer, [0], 1, _params(0.6), retry_temperature=2)
+        run_episodes(lambda: Wall(), engine, tokenizer, [0], 1, _params(0.6), retry_temperature=2)
 
 
 def test_retries_with_a_byte_level_bpe_model_and_continuous_batching():

@@ -89,29 +89,22 @@ class Config(_Section):
                 "train.sampling.greedy_per_group: train.sampling.temperature is 0, so every "
                 "episode is greedy already; set greedy_per_group=0 or a temperature > 0"
             )
-        if t.algo.old_logprobs == "rollout":
-            raise ValueError(
-                "train.sampling.greedy_per_group needs train.algo.old_logprobs auto, recompute "
-                "or current: a greedy episode's rollout log-probs are 0 (probability 1)"
-            )
-        if t.source:
-            raise ValueError("train.sampling.greedy_per_group: train.source episodes are recorded")
+        _needs_own_sampling(
+            self, "greedy_per_group", "a greedy episode's rollout log-probs are 0 (probability 1)"
+        )
         return self
 
     @model_validator(mode="after")
     def _check_retry(self) -> Config:
         """``train.sampling.retry_temperature``: a retried turn is sampled at another
         temperature than the rest, so its rollout log-probs are not the old policy's."""
-        t = self.train
-        if not t.sampling.retry_temperature:
+        if not self.train.sampling.retry_temperature:
             return self
-        if t.algo.old_logprobs == "rollout":
-            raise ValueError(
-                "train.sampling.retry_temperature needs train.algo.old_logprobs auto, recompute "
-                "or current: a retried turn's rollout log-probs are at another temperature"
-            )
-        if t.source:
-            raise ValueError("train.sampling.retry_temperature: train.source episodes are recorded")
+        _needs_own_sampling(
+            self,
+            "retry_temperature",
+            "a retried turn's rollout log-probs are at another temperature",
+        )
         return self
 
     @model_validator(mode="after")
@@ -192,3 +185,15 @@ def tasks_per_share(tasks_per_step: int, workers: int) -> int:
     """The default unit of rollout work: the smallest divisor of the step >= step / workers."""
     want = -(-tasks_per_step // workers)
     return next(d for d in range(want, tasks_per_step + 1) if tasks_per_step % d == 0)
+
+
+def _needs_own_sampling(cfg: Config, key: str, why: str) -> None:
+    """Refuse ``train.sampling.<key>`` where the trainer would take the rollout's log-probs as
+    the old policy's (``old_logprobs=rollout``) or where the episodes are recorded, not sampled
+    (``train.source``)."""
+    if cfg.train.algo.old_logprobs == "rollout":
+        raise ValueError(
+            f"train.sampling.{key} needs train.algo.old_logprobs auto, recompute or current: {why}"
+        )
+    if cfg.train.source:
+        raise ValueError(f"train.sampling.{key}: train.source episodes are recorded")

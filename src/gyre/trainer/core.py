@@ -142,14 +142,15 @@ class Trainer:
                 self.model, batch, train, self.ref_model, self.value_model, scoring=scoring
             )
         )
+        est_kw = _estimator_kw(algo, trajs)
         adv, adv_m = batch_advantages(
             algo.advantage, shaped, groups, batch, train,
             eps=cfg.train.adv_eps, gamma=algo.discount, lam=algo.lam, episodes=episodes,
-            **_estimator_kw(algo, trajs),
+            **est_kw,
         )  # fmt: skip
         m.update(adv_m)
         if algo.advantage in NEEDS_TURNS and algo.self_loop_advantage != "keep":
-            loops = [x for row in self_loop_turns(Turns.of(trajs)) for x in row]
+            loops = [x for row in self_loop_turns(est_kw["turns"]) for x in row]
             m["train/self_loop_turn_frac"] = sum(loops) / max(len(loops), 1)
         gen = torch.Generator()
         gen.manual_seed(cfg.run.seed * 100_003 + step)
