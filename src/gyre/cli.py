@@ -141,13 +141,21 @@ def _table(rows: list[tuple[str, dict]]) -> str:
     from rich.table import Table
 
     t = Table(title="held-out evaluation")
-    for col in ("policy", "greedy success", "sampled success", "mean moves (greedy)"):
+    cols = (
+        "policy",
+        "greedy success",
+        "sampled success",
+        "mean reward (greedy)",
+        "mean moves (greedy)",
+    )
+    for col in cols:
         t.add_column(col)
     for name, e in rows:
         t.add_row(
             name,
             _cell(e, "eval/success_greedy", "{:.1%}"),
             _cell(e, "eval/success_sampled", "{:.1%}"),  # none for the demonstrator
+            _cell(e, "eval/reward_greedy", "{:.3f}"),
             _cell(e, "eval/moves_greedy", "{:.2f}"),
         )
     return t

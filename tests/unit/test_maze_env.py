@@ -667,3 +667,27 @@ def test_nearest_exit_order_lists_the_greedy_move_first():
     with pytest.raises(ValueError, match="exit_order"):
         MazeEnv(exit_order="random")
     assert load_config(None, ["env.maze.exit_order=nearest"]).env.maze.exit_order == "nearest"
+
+
+class _PartialCreditEnv:
+    """One turn; the reply scores 1/(seed % 4 + 1) and never succeeds: partial credit only."""
+
+    def reset(self, seed: int) -> str:
+        self.seed = seed
+        return "q>"
+
+    def step(self, text: str) -> tuple[str, float, bool, dict]:
+        return "", 1.0 / (self.seed % 4 + 1), True, {"success": False}
+
+
+def test_evaluation_reports_the_mean_reward_beside_success(tokenizer):
+    """``eval/reward_greedy`` is the mean return over the same held-out seeds: the score of a
+    reward that gives partial credit (reasoning-gym), which the success rate (0 here) hides."""
+    from chat_helpers import ScriptedEngine
+    from gyre.rollout.evaluate import eval_seeds, evaluate
+
+    engine = ScriptedEngine(tokenizer, ["u"], tokenizer.convert_tokens_to_ids("\n"))
+    m = evaluate(engine, _PartialCreditEnv, tokenizer, 12, 1.0, 4, sampled=False)
+    want = np.mean([1.0 / (s % 4 + 1) for s in eval_seeds(12)])
+    assert m["eval/success_greedy"] == 0.0
+    assert 0.0 < want < 1.0 and m["eval/reward_greedy"] == pytest.approx(want)

@@ -1,4 +1,4 @@
-"""Held-out evaluation: success rate (greedy and sampled) and mean moves on fixed seeds.
+"""Held-out evaluation: success rate, mean reward and mean moves (greedy, sampled) on fixed seeds.
 
 Three disjoint seed ranges (``eval.episodes`` and ``eval.validation_episodes`` are at most 2^31):
 
@@ -67,8 +67,8 @@ def evaluate(
     stops: Stops | None = None,
     chat: ChatMode | None = None,
 ) -> dict[str, float]:
-    """Success rate and mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
-    seeds, ``val``: validation seeds), greedy and (with ``sampled``) sampled; metrics
+    """Success rate, mean reward, mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
+    seeds, ``val``: validation), greedy and (with ``sampled``) sampled; metrics
     ``<split>/success_greedy`` ...; ``continuous`` is ``perf.continuous`` (see
     :func:`gyre.rollout.episodes.run_episodes`); ``stops`` the run's (default: derived from
     the tokenizer); ``chat``: message mode."""
@@ -92,6 +92,8 @@ def evaluate(
         )
         out[f"{split}/success_{name}"] = float(np.mean([t.success for t in trajs]))
         out[f"{split}/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
+        # the mean return: the score where the reward gives partial credit (reasoning-gym)
+        out[f"{split}/reward_{name}"] = float(np.mean([t.reward for t in trajs]))
         if trajs and all("bumps" in t.info for t in trajs):  # envs that count wall bumps (maze)
             bumps = sum(int(t.info["bumps"]) for t in trajs)
             out[f"{split}/bump_frac_{name}"] = bumps / max(1, sum(t.num_turns for t in trajs))

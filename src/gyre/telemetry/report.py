@@ -370,6 +370,7 @@ def eval_rows(data: RunData) -> list[list[str]]:
             name,
             _fmt(e.get("eval/success_greedy"), pct=True),
             _fmt(e.get("eval/success_sampled"), pct=True),
+            _fmt(e.get("eval/reward_greedy")),
             _fmt(e.get("eval/moves_greedy")),
         ]
         for name, e in pairs
@@ -466,7 +467,16 @@ def render_html(data: RunData, refresh_s: int | None = None) -> str:
             f'<div class="plots">{"".join(plots)}</div>',
             ("<h2>SFT warm start</h2>" + _img(sft, "SFT")) if sft else "",
             "<h2>Evaluation before / after</h2>",
-            _table(["policy", "greedy success", "sampled success", "mean moves (greedy)"], evals)
+            _table(
+                [
+                    "policy",
+                    "greedy success",
+                    "sampled success",
+                    "mean reward (greedy)",
+                    "mean moves (greedy)",
+                ],
+                evals,
+            )
             if evals
             else '<p class="none">no evaluation logged yet.</p>',
             "<h2>Sample episodes</h2>",
