@@ -679,15 +679,22 @@ class _PartialCreditEnv:
     def step(self, text: str) -> tuple[str, float, bool, dict]:
         return "", 1.0 / (self.seed % 4 + 1), True, {"success": False}
 
+    def expert_action(self, rng: np.random.Generator) -> str:
+        return "u"
+
+    random_action = expert_action
+
 
 def test_evaluation_reports_the_mean_reward_beside_success(tokenizer):
     """``eval/reward_greedy`` is the mean return over the same held-out seeds: the score of a
     reward that gives partial credit (reasoning-gym), which the success rate (0 here) hides."""
     from chat_helpers import ScriptedEngine
-    from gyre.rollout.evaluate import eval_seeds, evaluate
+    from gyre.rollout.evaluate import demonstrator_success, eval_seeds, evaluate
 
     engine = ScriptedEngine(tokenizer, ["u"], tokenizer.convert_tokens_to_ids("\n"))
     m = evaluate(engine, _PartialCreditEnv, tokenizer, 12, 1.0, 4, sampled=False)
     want = np.mean([1.0 / (s % 4 + 1) for s in eval_seeds(12)])
     assert m["eval/success_greedy"] == 0.0
     assert 0.0 < want < 1.0 and m["eval/reward_greedy"] == pytest.approx(want)
+    demo = demonstrator_success(_PartialCreditEnv, 12)  # the table's reference line, too
+    assert demo is not None and demo["eval/reward_greedy"] == pytest.approx(want)

@@ -109,18 +109,23 @@ def demonstrator_success(make_env: Callable[[], Env], episodes: int) -> dict[str
     if episodes == 0 or not isinstance(make_env(), Demonstrator):
         return None
     rng = np.random.default_rng(0)  # unused by deterministic demonstrators (the maze's)
-    wins, moves = [], []
+    wins, moves, returns = [], [], []
     for seed in eval_seeds(episodes):
         env = make_env()
-        done, info, turns = False, {}, 0
+        done, info, turns, ret = False, {}, 0, 0.0
         try:
             env.reset(seed)
             while not done and turns < 10_000:  # an env that never ends is no demonstration
-                _, _, done, info = env.step(env.expert_action(rng))  # type: ignore[attr-defined]
-                turns += 1
+                _, r, done, info = env.step(env.expert_action(rng))  # type: ignore[attr-defined]
+                turns, ret = turns + 1, ret + float(r)
         except Exception as exc:  # a reference line, never a reason to lose a finished run
             log.warning("demonstrator evaluation skipped: seed %d raised %r", seed, exc)
             return None
         wins.append(bool(info.get("success", False)))
         moves.append(turns)
-    return {"eval/success_greedy": float(np.mean(wins)), "eval/moves_greedy": float(np.mean(moves))}
+        returns.append(ret)
+    return {
+        "eval/success_greedy": float(np.mean(wins)),
+        "eval/moves_greedy": float(np.mean(moves)),
+        "eval/reward_greedy": float(np.mean(returns)),
+    }
