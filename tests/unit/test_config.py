@@ -166,6 +166,15 @@ def test_example_configs_load(name):
     assert cfg.env.name == name
 
 
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "examples").glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}"
+)
+def test_every_example_config_validates(path):
+    """A typo in an example (an unknown key, a bad value) fails here, not in a user's first run."""
+    cfg = load_config(path)
+    assert cfg.env.name
+
+
 def test_maze_example_is_the_embedded_default():
     """`gyre train` and `gyre train examples/maze/config.yaml` must run the same experiment."""
     assert load_config(ROOT / "examples" / "maze" / "config.yaml") == load_config(None)
