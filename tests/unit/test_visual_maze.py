@@ -129,6 +129,50 @@ def test_cells_are_drawn_in_their_colours(cell_px, pad_to, size, draw_visited):
         assert checked >= size * size
 
 
+@pytest.mark.parametrize(
+    "size,radius,cell_px,pad_to", [(5, 0, 8, 16), (6, 2, 14, 28), (5, 1, 5, 0)]
+)
+def test_agent_view_is_the_grid_shifted_to_the_agent(size, radius, cell_px, pad_to):
+    """view=agent: window cell (i, j) shows grid cell (r - k + i, c - k + j) for the agent at
+    (r, c), walls outside the grid; the agent always sits in the centre cell."""
+    env = VisualMazeEnv(
+        MazeEnv(size=size), cell_px=cell_px, pad_to=pad_to, view="agent", radius=radius
+    )
+    k = radius or size - 1
+    n = 2 * k + 1
+    want = -(-n * cell_px // pad_to) * pad_to if pad_to else n * cell_px
+    rng = np.random.default_rng(1)
+    for seed in range(5):
+        img = _pixels(env.reset(seed))
+        while True:
+            maze = env.maze
+            assert img.shape == (want, want, 3) == (env.image_side, env.image_side, 3)
+            pr, pc = maze.pos
+            for i in range(n):
+                for j in range(n):
+                    r, c = pr - k + i, pc - k + j
+                    inside = 0 <= r < size and 0 <= c < size
+                    expect = _expected_colour(maze, r, c) if inside else COLOURS["wall"]
+                    centre = img[i * cell_px + cell_px // 2, j * cell_px + cell_px // 2]
+                    assert tuple(centre) == expect, (seed, i, j)
+            if maze.done:
+                break
+            img = _pixels(env.step(env.random_action(rng))[0])
+    # the rules are untouched: the same moves give the grid view's rewards
+    grid = VisualMazeEnv(MazeEnv(size=size), cell_px=cell_px, pad_to=pad_to)
+    assert "centred on you" in _text(env.reset(3)) and "centred" not in _text(grid.reset(3))
+    for move in "uulrddx":
+        assert env.step(move)[1:] == grid.step(move)[1:]
+    with pytest.raises(ValueError, match="view"):
+        VisualMazeEnv(view="ego")
+    with pytest.raises(ConfigError, match=r"env\.visual_maze\.view"):
+        load_config(None, ["env.name=visual_maze", "env.visual_maze.view=ego"])
+    ego = _make(
+        "env.visual_maze.view=agent", "env.visual_maze.cell_px=8", "env.visual_maze.pad_to=16"
+    )()
+    assert _pixels(ego.reset(0)).shape == (80, 80, 3)
+
+
 def test_agent_on_the_goal_shows_both():
     env = _make()()
     env.reset(4)
@@ -270,6 +314,10 @@ def test_gymnasium_registration():
     assert (r, term, trunc) == (0.0, False, True)
     via_module = gym.make("gyre.envs.gym_visual:gyre/VisualMaze-v0", cell_px=16, pad_to=32)
     assert via_module.observation_space.shape == (96, 96, 3)
+    ego = gym.make("gyre/VisualMaze-v0", cell_px=8, pad_to=16, view="agent")
+    ego_env = VisualMazeEnv(cell_px=8, pad_to=16, view="agent")
+    assert np.array_equal(ego.reset(seed=2)[0], _pixels(ego_env.reset(2)))
+    assert np.array_equal(ego.step(0)[0], _pixels(ego_env.step("u")[0]))
     with pytest.raises(ValueError, match="Discrete"):
         env.unwrapped.step(4)
 

@@ -33,6 +33,19 @@ class VisualMazeConfig(_Section):
     grid_lines: bool = Field(
         False, description="Draw a one-pixel grey line along the top and left of every cell."
     )
+    view: Literal["grid", "agent"] = Field(
+        "grid",
+        description="grid: the whole grid, row 0 at the top; agent: a square of cells centred "
+        "on the agent (egocentric, as MiniGrid's partial view), cells outside the grid drawn "
+        "as walls.",
+    )
+    radius: int = Field(
+        0,
+        ge=0,
+        le=32,
+        description="view=agent: cells shown on each side of the agent; 0: size - 1, so the "
+        "whole maze is in view wherever the agent stands (a 5x5 maze: 9x9 cells).",
+    )
     feedback: bool = Field(
         True,
         description="Each later turn's text says what the last move did (moved, hit a wall, "

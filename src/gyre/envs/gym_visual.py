@@ -52,6 +52,8 @@ class VisualMazeGymEnv(gymnasium.Env):
         pad_to: int = 28,
         draw_visited: bool = True,
         grid_lines: bool = False,
+        view: str = "grid",
+        radius: int = 0,
         render_mode: str | None = "rgb_array",
     ) -> None:
         if render_mode not in (None, "rgb_array"):
@@ -62,6 +64,8 @@ class VisualMazeGymEnv(gymnasium.Env):
             "pad_to": pad_to,
             "draw_visited": draw_visited,
             "grid_lines": grid_lines,
+            "view": view,
+            "radius": radius,
         }
         self.render_mode = render_mode
         side = render_maze(self.maze, **self.render_kw).shape[0]

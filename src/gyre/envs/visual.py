@@ -32,6 +32,8 @@ def image_env_factory(cfg: EnvConfig) -> Callable[[], MessageEnv]:
                 v.grid_lines,
                 v.feedback,
                 v.text_observation,
+                v.view,
+                v.radius,
             )
 
         make_visual_maze()

@@ -64,23 +64,41 @@ def render_maze(
     pad_to: int = 28,
     draw_visited: bool = True,
     grid_lines: bool = False,
+    view: str = "grid",
+    radius: int = 0,
 ) -> np.ndarray:
-    """The maze's current state as an ``(H, W, 3)`` uint8 image; see the module docstring."""
-    n = maze.size
-    cells = np.empty((n, n, 3), dtype=np.uint8)
-    cells[:] = COLOURS["free"]
+    """The maze's current state as an ``(H, W, 3)`` uint8 image; see the module docstring.
+
+    ``view="agent"`` draws the ``(2 * radius + 1)``-cell square centred on the agent instead of
+    the grid (cells outside the grid in the wall colour; ``radius=0``: ``size - 1``, so the
+    whole maze is in view wherever the agent stands)."""
+    grid = np.empty((maze.size, maze.size, 3), dtype=np.uint8)
+    grid[:] = COLOURS["free"]
     if draw_visited:
         for r, c in maze.visited:
-            cells[r, c] = COLOURS["visited"]
-    cells[maze.walls] = COLOURS["wall"]
-    cells[maze.goal] = COLOURS["goal"]
+            grid[r, c] = COLOURS["visited"]
+    grid[maze.walls] = COLOURS["wall"]
+    grid[maze.goal] = COLOURS["goal"]
+    if view == "agent":
+        k = radius or maze.size - 1
+        n = 2 * k + 1
+        cells = np.empty((n, n, 3), dtype=np.uint8)
+        cells[:] = COLOURS["wall"]
+        pr, pc = maze.pos
+        # window cell (i, j) is grid cell (pr - k + i, pc - k + j)
+        r0, r1 = max(0, pr - k), min(maze.size, pr + k + 1)
+        c0, c1 = max(0, pc - k), min(maze.size, pc + k + 1)
+        cells[r0 - pr + k : r1 - pr + k, c0 - pc + k : c1 - pc + k] = grid[r0:r1, c0:c1]
+        agent = (k, k)
+    else:
+        n, cells, agent = maze.size, grid, maze.pos
     # (n, n, 3) -> (n * cell_px, n * cell_px, 3): every cell a solid square
     img = np.repeat(np.repeat(cells, cell_px, axis=0), cell_px, axis=1)
     if grid_lines:
         img[::cell_px, :] = COLOURS["line"]
         img[:, ::cell_px] = COLOURS["line"]
     inset = max(1, cell_px // 4) if cell_px >= 4 else 0
-    r0, c0 = maze.pos[0] * cell_px + inset, maze.pos[1] * cell_px + inset
+    r0, c0 = agent[0] * cell_px + inset, agent[1] * cell_px + inset
     img[r0 : r0 + cell_px - 2 * inset, c0 : c0 + cell_px - 2 * inset] = COLOURS["agent"]
     side = n * cell_px
     if pad_to > 0 and side % pad_to:
@@ -106,25 +124,41 @@ class VisualMazeEnv:
         grid_lines: bool = False,
         feedback: bool = True,
         text_observation: bool = False,
+        view: str = "grid",
+        radius: int = 0,
     ) -> None:
         if not 2 <= cell_px <= 64:
             raise ValueError(f"env.visual_maze.cell_px must lie in [2, 64], got {cell_px}")
         if pad_to < 0:
             raise ValueError(f"env.visual_maze.pad_to must be >= 0, got {pad_to}")
+        if view not in ("grid", "agent"):
+            raise ValueError(f"env.visual_maze.view must be 'grid' or 'agent', got {view!r}")
+        if radius < 0:
+            raise ValueError(f"env.visual_maze.radius must be >= 0, got {radius}")
         self.maze = maze if maze is not None else MazeEnv()
         self.cell_px, self.pad_to = cell_px, pad_to
         self.draw_visited, self.grid_lines = draw_visited, grid_lines
         self.feedback, self.text_observation = feedback, text_observation
+        self.view, self.radius = view, radius
 
     @property
     def image_side(self) -> int:
         """The image's height and width in pixels (fixed for a configuration)."""
-        side = self.maze.size * self.cell_px
+        cells = 2 * (self.radius or self.maze.size - 1) + 1 if self.view == "agent" else None
+        side = (cells or self.maze.size) * self.cell_px
         return -(-side // self.pad_to) * self.pad_to if self.pad_to else side
 
     def pixels(self) -> np.ndarray:
         """The current state as an ``(H, W, 3)`` uint8 array."""
-        return render_maze(self.maze, self.cell_px, self.pad_to, self.draw_visited, self.grid_lines)
+        return render_maze(
+            self.maze,
+            self.cell_px,
+            self.pad_to,
+            self.draw_visited,
+            self.grid_lines,
+            self.view,
+            self.radius,
+        )
 
     def _message(self, text: str, maze_text: str) -> list[Message]:
         if self.text_observation:
@@ -138,8 +172,10 @@ class VisualMazeEnv:
     def intro(self) -> str:
         """The opening text: what the colours mean, the budget and the action format."""
         visited = ", visited cells light blue" if self.draw_visited else ""
+        centred = " (the picture is centred on you)" if self.view == "agent" else ""
         return (
-            f"A maze: walls dark grey, free cells white{visited}, you the red square, the goal "
+            f"A maze: walls dark grey, free cells white{visited}, you the red square{centred}, "
+            "the goal "
             f"green. Reach the goal in at most {self.maze.budget} moves. Reply with one move: "
             "u (up), d (down), l (left) or r (right)."
         )
