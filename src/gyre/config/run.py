@@ -128,7 +128,8 @@ class ModelConfig(_Section):
         if self.path and self.kind != "text":
             raise ValueError(
                 f"model.kind={self.kind!r} builds a tiny default and cannot be combined with "
-                f"model.path (the folder's config.json says what it is)"
+                f"model.path (the folder's config.json says what it is; add model.kind=text "
+                "to load a folder from a config that sets model.kind)"
             )
         if not self.path and self.hidden_size % (2 * self.num_heads):
             raise ValueError(
