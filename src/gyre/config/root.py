@@ -66,15 +66,22 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_stepwise(self) -> Config:
-        if self.rollout.stepwise:
+        r = self.rollout
+        if r.stepwise or r.history_turns is not None:
+            key = "rollout.stepwise" if r.stepwise else "rollout.history_turns"
             adv = self.train.algo.advantage
-            if adv not in ("grpo", "dr_grpo", "rloo"):
+            if adv not in ("grpo", "dr_grpo", "rloo", "gigpo", "turn_returns"):
                 raise ValueError(
-                    f"rollout.stepwise needs an outcome estimator (grpo, dr_grpo, rloo); "
-                    f"train.algo.advantage={adv} is per token (set train.algo.advantage=grpo)"
+                    f"{key} needs an outcome or turn estimator (grpo, dr_grpo, rloo, gigpo, "
+                    f"turn_returns); train.algo.advantage={adv} is per token (set "
+                    "train.algo.advantage=grpo)"
+                )
+            if adv in ("gigpo", "turn_returns") and self.train.algo.kl_in == "reward":
+                raise ValueError(
+                    f"{key} with train.algo.advantage={adv}: train.algo.kl_in must be 'loss'"
                 )
             if self.train.dapo.overlong_buffer_len > 0:
-                raise ValueError("rollout.stepwise: train.dapo.overlong_buffer_len must be 0")
+                raise ValueError(f"{key}: train.dapo.overlong_buffer_len must be 0")
         return self
 
     @model_validator(mode="after")

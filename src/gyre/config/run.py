@@ -340,6 +340,18 @@ class RolloutConfig(_Section):
         description="Message mode: every assistant turn is its own training sample whose prompt "
         "is the template's rendering at that turn; turns share their episode's advantage.",
     )
+    history_turns: int | None = Field(
+        None,
+        ge=0,
+        description="Bounded history (gyre.rollout.window): each turn's prompt holds the "
+        "opening observation, the last N exchanges and the current observation, and every "
+        "turn is its own training sample; 0: memoryless; unset: the whole episode.",
+    )
+    keep_opening: bool = Field(
+        True,
+        description="With rollout.history_turns: the episode's opening observation (the task) "
+        "stays at the head of every turn's prompt (a chat's system messages always do).",
+    )
     max_turns: int = Field(
         16, gt=0, description="Message mode: most assistant turns per episode (then truncated)."
     )

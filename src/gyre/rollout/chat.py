@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre.models.vision import images_in, vision_of
+from gyre.rollout.window import Window, window_messages
 from gyre.types import Completion, Trajectory
 
 _log = logging.getLogger("gyre.rollout.chat")
@@ -174,6 +175,8 @@ class ChatEpisode:
     drift: bool = False
     steps: list[Trajectory] = field(default_factory=list)
     images: list[Any] = field(default_factory=list)  # a VLM episode's images, in order
+    window: Window | None = None  # rollout.history_turns: what a turn's prompt holds
+    prompt_images: list[Any] = field(default_factory=list)  # step-wise: the turn prompt's
 
     def start(self, messages: Sequence[Message]) -> list[int]:
         """The opening messages -> the first prompt's ids (with the generation prompt)."""
@@ -181,6 +184,7 @@ class ChatEpisode:
         self.images = images_in(self.conv, "reset() message")
         self.text = self.tpl.render(self.conv, True)
         self.turn_prompt = self.tpl.encode_images(self.text, self.images, "reset() messages")
+        self.prompt_images = list(self.images)
         return list(self.turn_prompt)
 
     def prompt(self, ids: list[int]) -> list[int]:
@@ -206,7 +210,7 @@ class ChatEpisode:
                     token_ids=p + ids, loss_mask=[0] * len(p) + [1] * len(ids),
                     rollout_logprobs=[0.0] * len(p) + list(out.logprobs), reward=0.0,
                     group_id=0, policy_version=-1, num_turns=1, success=False, task_seed=0,
-                    truncated=out.finish_reason == "length", images=list(self.images),
+                    truncated=out.finish_reason == "length", images=list(self.prompt_images),
                 )
             )  # fmt: skip
         return content
@@ -228,8 +232,19 @@ class ChatEpisode:
         self.images.extend(imgs)
         self.text += suffix
         if self.stepwise:
-            self.turn_prompt = self.tpl.encode_images(full, self.images, "step() messages")
+            self._turn_prompt(full)
         return ids
+
+    def _turn_prompt(self, full: str) -> None:
+        """Step-wise: the next turn's prompt, the whole conversation (``full``, rendered) or
+        its window (:mod:`gyre.rollout.window`), with its images."""
+        if self.window is None:
+            self.prompt_images = list(self.images)
+        else:
+            msgs = window_messages(self.window, self.conv)
+            full = self.tpl.render(msgs, True)
+            self.prompt_images = images_in(msgs, "step() message")
+        self.turn_prompt = self.tpl.encode_images(full, self.prompt_images, "step() messages")
 
     def close(self) -> list[int]:
         """End of the episode: the closing glue's ids; sets :attr:`drift`."""
@@ -251,9 +266,11 @@ class ChatMode:
     stepwise: bool = False
     max_turns: int = 16
     max_context_tokens: int = 0  # 0: no limit
+    window: Window | None = None  # rollout.history_turns (implies step-wise samples)
 
     def episode(self) -> ChatEpisode:
-        return ChatEpisode(self.template, self.stepwise)
+        stepwise = self.stepwise or self.window is not None
+        return ChatEpisode(self.template, stepwise, window=self.window)
 
     def advance(
         self, ep: ChatEpisode, new: Sequence[Message], done: bool, turns: int, tokens: int
@@ -266,14 +283,14 @@ class ChatMode:
             if turns >= self.max_turns:
                 stop = "turns"
             else:
-                undo = (len(ep.conv), ep.text, ep.turn_prompt, len(ep.images))
+                undo = (len(ep.conv), ep.text, ep.turn_prompt, len(ep.images), ep.prompt_images)
                 ids = ep.observe(new)
                 if not self.max_context_tokens or tokens + len(ids) <= self.max_context_tokens:
                     return ids, None
                 stop = "context"  # the new messages are not added: the episode ends before
                 del ep.conv[undo[0] :]
                 del ep.images[undo[3] :]
-                ep.text, ep.turn_prompt = undo[1], undo[2]
+                ep.text, ep.turn_prompt, ep.prompt_images = undo[1], undo[2], undo[4]
         tail = ep.close()
         info = {
             "template_drift": ep.drift,

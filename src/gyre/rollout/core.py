@@ -38,6 +38,7 @@ from gyre.rollout.recorded import RecordedSource
 from gyre.rollout.replay import LevelReplay
 from gyre.rollout.stops import Stops, derive_stops
 from gyre.rollout.tools import message_metrics, message_mode
+from gyre.rollout.window import window_of
 from gyre.telemetry import timed
 from gyre.types import SamplingParams, Trajectory
 
@@ -145,6 +146,7 @@ class Rollout:
         self.rewarder = rewarder
         # Message-mode envs get the chat template (and the tools' wrapper): rollout/tools.py.
         self.make_env, self.chat, self.toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
+        self.window = window_of(cfg.rollout)  # rollout.history_turns (rollout/window.py)
         # train.source: recorded episodes instead of env x engine (rollout/recorded.py)
         self.recorded = recorded_source(cfg, tokenizer, engine)
         if self.chat is None and self.recorded is None:  # raw text: the first prompt must fit
@@ -216,13 +218,13 @@ class Rollout:
         trajs = run_episodes(
             self.make_env, self.engine, self.tokenizer, seeds, G - greedy, params, stats,
             continuous=cfg.perf.continuous, chat=self.chat,
-            retry_temperature=cfg.train.sampling.retry_temperature,
+            retry_temperature=cfg.train.sampling.retry_temperature, window=self.window,
         )  # fmt: skip
         if greedy:
             trajs = with_greedy_episodes(trajs, run_episodes(
                 self.make_env, self.engine, self.tokenizer, seeds, 1,
                 dataclasses.replace(params, temperature=0.0), stats,
-                continuous=cfg.perf.continuous, chat=self.chat,
+                continuous=cfg.perf.continuous, chat=self.chat, window=self.window,
             ))  # fmt: skip
         for i, t in enumerate(trajs):
             t.group_id = tasks[i // G]
@@ -285,7 +287,7 @@ class Rollout:
                     self.engine, self.make_env, self.tokenizer, n, s.temperature,
                     s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed,
                     top_p=s.top_p, split=split, continuous=cfg.perf.continuous, stops=stops,
-                    chat=self.chat,
+                    chat=self.chat, window=self.window,
                 ))  # fmt: skip
         return out
 

@@ -25,6 +25,7 @@ from gyre.engines.base import Engine
 from gyre.envs.base import Demonstrator, Env
 from gyre.rollout.chat import ChatEpisode, ChatMode
 from gyre.rollout.stops import cut_at_stop, derive_stops
+from gyre.rollout.window import Window
 from gyre.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
 _SESSION_COUNTER = iter(range(1 << 62))
@@ -94,6 +95,7 @@ def run_episodes(
     continuous: bool = True,
     chat: ChatMode | None = None,
     retry_temperature: float = 0.0,
+    window: Window | None = None,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of every task seed, all turns batched through ``engine``.
 
@@ -108,6 +110,9 @@ def run_episodes(
     ``retry_temperature`` (``train.sampling.retry_temperature``, 0: off): a turn after one whose
     env info has ``invalid`` true is sampled at that temperature (the engine must have
     ``per_request_temperature``); ``info["retried_turns"]`` counts an episode's.
+    ``window`` (``rollout.history_turns``, raw-text envs; message mode takes the chat mode's):
+    each turn's prompt is the episode's window (:mod:`gyre.rollout.window`) and each turn a
+    step-wise sample (``Trajectory.steps``).
     """
     t0 = time.perf_counter()
     if retry_temperature and not getattr(engine, "per_request_temperature", False):
@@ -115,7 +120,9 @@ def run_episodes(
             f"train.sampling.retry_temperature: engine {type(engine).__name__} cannot sample a "
             "request at its own temperature (no per_request_temperature)"
         )
-    eps = _Episodes(make_env, tokenizer, task_seeds, group_size, params, chat, retry_temperature)
+    eps = _Episodes(
+        make_env, tokenizer, task_seeds, group_size, params, chat, retry_temperature, window
+    )
     start = [i for i in range(eps.n) if i not in eps.failed]  # episodes whose reset succeeded
     if continuous and hasattr(engine, "generate_continuous"):
         # Continuous batching: an episode's next turn joins the running batch the moment its
@@ -165,9 +172,13 @@ class _Episodes:
         params: SamplingParams,
         chat: ChatMode | None,
         retry_temperature: float,
+        window: Window | None = None,
     ) -> None:
         self.task_seeds, self.group_size, self.chat = task_seeds, group_size, chat
         self.retry_temperature = retry_temperature
+        self.window = window if chat is None else None  # raw mode; message mode: chat.window
+        bos = tokenizer.bos_token_id
+        self.bos = [bos] if bos is not None else []
         n = self.n = len(task_seeds) * group_size
         self.envs = [make_env() for _ in range(n)]
         self.sessions = [next(_SESSION_COUNTER) for _ in range(n)]
@@ -182,6 +193,9 @@ class _Episodes:
         self.retry = [False] * n  # the last action was invalid: the next at retry_temperature
         self.retried = [0] * n
         self.chats: list[ChatEpisode | None] = [None] * n  # message mode: the conversations
+        # raw mode with a window: [opening, action, answer, ...] ids and the per-turn samples
+        self.segs: list[list[list[int]]] = [[] for _ in range(n)]
+        self.steps: list[list[Trajectory]] = [[] for _ in range(n)]
         # Texts repeat across a group (the same first observation G times, the same answers):
         # encode / decode each distinct one once per rollout (a tokenizer call costs ~50 us).
         first_ids = _memo(lambda text: prompt_ids(tokenizer, text))
@@ -202,6 +216,8 @@ class _Episodes:
                     first = self.chats[i].start(first_obs)
                 else:
                     first = list(first_ids(first_obs)) or [tokenizer.pad_token_id]
+                    nb = len(self.bos) if first[: len(self.bos)] == self.bos else 0
+                    self.segs[i].append(first[nb:])
                 self.ids.append(first)
                 self.mask.append([0] * len(first))
                 self.lps.append([0.0] * len(first))
@@ -213,11 +229,21 @@ class _Episodes:
         # Seed once per rollout: re-seeding every turn would replay the same random draws.
         self.params = replace(params, seed=None)
 
+    def _prompt(self, i: int) -> list[int]:
+        """Episode i's next prompt: its ids, a window of them, or (message mode) the chat's."""
+        c = self.chats[i]
+        if c is not None:
+            return c.prompt(self.ids[i])  # message mode: step-wise or a window
+        if self.window is None:
+            return self.ids[i]
+        return self.bos + [t for seg in self.window.select(self.segs[i]) for t in seg]
+
     def request(self, i: int) -> GenerationRequest:
         c = self.chats[i]
-        prompt = self.ids[i] if c is None else c.prompt(self.ids[i])  # message mode: step-wise
+        prompt = self._prompt(i)
         seed = turn_seed(self.base_seed, i, self.turns[i])
-        images = list(c.images) if c is not None else []  # a VLM's images of the prompt
+        # a VLM's images of the prompt (step-wise: the turn prompt's)
+        images = [] if c is None else list(c.prompt_images if c.stepwise else c.images)
         temp = self.retry_temperature if self.retry[i] else None
         return GenerationRequest(prompt, self.sessions[i], seed, images, temperature=temp)
 
@@ -230,6 +256,9 @@ class _Episodes:
         cut = cut_at_stop(toks, self.params.stop_strings, self.decode)
         if cut is not None:  # a stop string: keep the sampled ids up to the token completing it
             toks, reason = toks[:cut], "stop"
+        if self.window is not None:  # raw mode, a window: this turn is its own sample
+            self.steps[i].append(_turn_sample(self._prompt(i), toks, out.logprobs, reason))
+            self.segs[i].append(list(toks))
         ids = self.ids[i]
         self.spans[i].append((len(ids), len(ids) + len(toks)))
         self._append(i, toks, 1, out.logprobs[: len(toks)])
@@ -265,6 +294,8 @@ class _Episodes:
             obs_ids = self.encode(obs)  # only read (extended into the row), never changed
         self.states[i].append(info.get("state"))  # the state the next turn's action starts from
         self._append(i, obs_ids, 0)
+        if self.window is not None:
+            self.segs[i].append(list(obs_ids))
         return True
 
     def _append(self, i: int, toks: Sequence[int], m: int, lps: Sequence[float] = ()) -> None:
@@ -298,11 +329,24 @@ class _Episodes:
                 turn_spans=spans[i],
                 turn_states=self.states[i][: len(spans[i])],
                 turn_rewards=self.turn_r[i] + [0.0] * (len(spans[i]) - len(self.turn_r[i])),
-                steps=_steps(chats[i]) if i not in self.failed else None,
+                steps=None if i in self.failed else self.steps[i] or _steps(chats[i]),
                 images=chats[i].images if chats[i] is not None else [],
             )
             for i in range(self.n)
         ]
+
+
+def _turn_sample(
+    prompt: Sequence[int], toks: Sequence[int], lps: Sequence[float], reason: str
+) -> Trajectory:
+    """One turn as a sample: the prompt it was sampled from (mask 0), then its ids (mask 1)."""
+    p = list(prompt)
+    return Trajectory(
+        token_ids=p + list(toks), loss_mask=[0] * len(p) + [1] * len(toks),
+        rollout_logprobs=[0.0] * len(p) + list(lps[: len(toks)]), reward=0.0, group_id=0,
+        policy_version=-1, num_turns=1, success=False, task_seed=0,
+        truncated=reason == "length",
+    )  # fmt: skip
 
 
 def initial_state(env: Env) -> Any:
@@ -344,6 +388,7 @@ def demonstrate(
     train_on_noise: bool = False,
     terminator: Sequence[int] | None = None,
     chat: ChatMode | None = None,
+    window: Window | None = None,
 ) -> Trajectory:
     """One noisy-expert episode, tokenised exactly as a rollout would be.
 
@@ -356,6 +401,9 @@ def demonstrate(
 
     ``chat``: a message-mode env, rendered through the rollout's own :class:`ChatEpisode` and
     :meth:`ChatMode.advance` (see :func:`_demonstrate_chat`).
+    ``window`` (raw mode; message mode: the chat mode's): each turn is also a sample of its own
+    (``steps``), its prompt the window a rollout would have given the model, its mask the
+    turn's (0 on a random move unless ``train_on_noise``).
     """
     env = make_env()
     if not isinstance(env, Demonstrator):
@@ -363,15 +411,23 @@ def demonstrate(
     if chat is not None:
         return _demonstrate_chat(env, chat, seed, noise, rng, train_on_noise, terminator)
     newline = list(derive_stops(tokenizer).terminator if terminator is None else terminator)
-    ids = prompt_ids(tokenizer, env.reset(seed))
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    first = encode_obs(tokenizer, env.reset(seed))
+    ids = bos + first
     mask = [0] * len(ids)
+    segs, steps = [first], []
     total, turns, info = 0.0, 0, {}
     while True:
         noisy = rng.random() < noise
         text = env.random_action(rng) if noisy else env.expert_action(rng)
         act = encode_obs(tokenizer, text) + newline
+        m = 0 if noisy and not train_on_noise else 1
+        if window is not None:
+            prompt = bos + [t for seg in window.select(segs) for t in seg]
+            steps.append(_turn_sample(prompt, act, [0.0] * len(act), "stop"))
+            steps[-1].loss_mask[len(prompt) :] = [m] * len(act)
         ids += act
-        mask += [0 if noisy and not train_on_noise else 1] * len(act)
+        mask += [m] * len(act)
         obs, r, done, info = env.step(text)
         total += r
         turns += 1
@@ -380,6 +436,7 @@ def demonstrate(
         obs_ids = encode_obs(tokenizer, obs)
         ids += obs_ids
         mask += [0] * len(obs_ids)
+        segs += [act, obs_ids]
     return Trajectory(
         token_ids=ids,
         loss_mask=mask,
@@ -391,6 +448,7 @@ def demonstrate(
         success=bool(info.get("success", False)),
         task_seed=seed,
         info=info,
+        steps=steps or None,
     )
 
 
@@ -410,10 +468,11 @@ def _demonstrate_chat(
     those replies (each the tokenizer's encoding of the text, then the end-of-turn token). The
     loss mask is 1 on the replies and their terminator only; the template's glue and every
     observation (image tokens included) are 0. The whole conversation is one sample, as
-    without ``rollout.stepwise``."""
+    without ``rollout.stepwise``; with a window (``chat.window``) each turn is a sample too
+    (``steps``), its prompt the turn's window."""
     tpl = chat.template
     end = list(terminator) if terminator is not None else [tpl.end_id]
-    ep = ChatEpisode(tpl)
+    ep = ChatEpisode(tpl, stepwise=chat.window is not None, window=chat.window)
     ids = ep.start(env.reset(seed))
     mask = [0] * len(ids)
     total, turns, info = 0.0, 0, {}
@@ -421,9 +480,13 @@ def _demonstrate_chat(
         noisy = rng.random() < noise
         text = env.random_action(rng) if noisy else env.expert_action(rng)
         act = tpl.encode(text) + end
+        m = 0 if noisy and not train_on_noise else 1
         ids += act
-        mask += [0 if noisy and not train_on_noise else 1] * len(act)
+        mask += [m] * len(act)
         ep.reply(Completion(act, [0.0] * len(act), "stop"))
+        if ep.stepwise:
+            step = ep.steps[-1]
+            step.loss_mask[len(step.loss_mask) - len(act) :] = [m] * len(act)
         msgs, r, done, info = env.step(text)
         total += r
         turns += 1
@@ -437,5 +500,5 @@ def _demonstrate_chat(
         token_ids=ids, loss_mask=mask, rollout_logprobs=[0.0] * len(ids), reward=total,
         group_id=0, policy_version=-1, num_turns=turns,
         success=bool(info.get("success", False)), task_seed=seed, info=info,
-        images=list(ep.images),
+        images=list(ep.images), steps=ep.steps or None,
     )  # fmt: skip

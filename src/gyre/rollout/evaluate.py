@@ -23,6 +23,7 @@ from gyre.envs.base import Env
 from gyre.rollout.chat import ChatMode
 from gyre.rollout.episodes import run_episodes
 from gyre.rollout.stops import Stops, derive_stops
+from gyre.rollout.window import Window
 from gyre.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,13 @@ def evaluate(
     continuous: bool = True,
     stops: Stops | None = None,
     chat: ChatMode | None = None,
+    window: Window | None = None,
 ) -> dict[str, float]:
     """Success rate, mean reward, mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
     seeds, ``val``: validation), greedy and (with ``sampled``) sampled; metrics
     ``<split>/success_greedy`` ...; ``continuous`` is ``perf.continuous`` (see
     :func:`gyre.rollout.episodes.run_episodes`); ``stops`` the run's (default: derived from
-    the tokenizer); ``chat``: message mode."""
+    the tokenizer); ``chat``: message mode; ``window``: ``rollout.history_turns``."""
     if split not in ("eval", "val"):
         raise ValueError(f"unknown evaluation split {split!r}; valid: eval, val")
     seeds = eval_seeds(episodes) if split == "eval" else validation_seeds(episodes)
@@ -88,7 +90,15 @@ def evaluate(
             stop_strings=stops.strings,
         )
         trajs = run_episodes(
-            make_env, engine, tokenizer, seeds, 1, params, continuous=continuous, chat=chat
+            make_env,
+            engine,
+            tokenizer,
+            seeds,
+            1,
+            params,
+            continuous=continuous,
+            chat=chat,
+            window=window,
         )
         out[f"{split}/success_{name}"] = float(np.mean([t.success for t in trajs]))
         out[f"{split}/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))

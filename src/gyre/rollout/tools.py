@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from gyre.config import RolloutConfig, SandboxConfig
 from gyre.envs.base import is_message_env
 from gyre.rollout.chat import ChatMode, ChatTemplate
+from gyre.rollout.window import window_of
 
 Message = dict[str, Any]
 
@@ -371,7 +372,9 @@ def message_mode(
         raise
     if toolbox is not None:
         make_env = with_tools(make_env, toolbox, r.max_tool_calls)
-    return make_env, ChatMode(template, r.stepwise, r.max_turns, r.max_context_tokens), toolbox
+    window = window_of(r)
+    chat = ChatMode(template, r.stepwise, r.max_turns, r.max_context_tokens, window)
+    return make_env, chat, toolbox
 
 
 def message_metrics(trajs: Sequence[Any]) -> dict[str, float]:

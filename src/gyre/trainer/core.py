@@ -132,6 +132,7 @@ class Trainer:
         scoring = ScoringOptions.from_perf(cfg.perf)
         if self.scheduler is not None:
             m["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        est_kw = _estimator_kw(algo, trajs)  # per episode (turn estimators read its turns)
         trajs, episodes = expand_steps(trajs)  # step-wise samples -> rows (trainer/stepwise.py)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
@@ -142,7 +143,6 @@ class Trainer:
                 self.model, batch, train, self.ref_model, self.value_model, scoring=scoring
             )
         )
-        est_kw = _estimator_kw(algo, trajs)
         adv, adv_m = batch_advantages(
             algo.advantage, shaped, groups, batch, train,
             eps=cfg.train.adv_eps, gamma=algo.discount, lam=algo.lam, episodes=episodes,

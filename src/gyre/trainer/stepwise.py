@@ -12,7 +12,9 @@ more turns does not weigh more in its group's mean and std, and every turn of an
 exactly the advantage the episode would have had as one sample. (Putting each turn in the group
 with the episode's reward would bias the baseline towards long episodes.) With KL in the reward,
 an episode's KL is the sum over its turns. Token-level estimators and DAPO's overlong shaping are
-per-sequence ideas and are refused with ``rollout.stepwise`` (config validation).
+per-sequence ideas and are refused with ``rollout.stepwise`` (config validation). The turn
+estimators (``gigpo``, ``turn_returns``) run on the episodes' turns as they do on whole episodes
+and give turn k's advantage to the episode's k-th row (:func:`turn_row_advantages`).
 
 The loss then treats each turn as a row: with ``loss_agg=seq-mean-token-mean`` an episode's
 turns each count as a sequence (a multi-turn episode gets more weight than under concatenation);
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from gyre.algos import Turns, compute_advantages
 from gyre.types import Trajectory
 
 
@@ -73,3 +77,53 @@ def episode_advantages(
         ep_reward = ep_reward - torch.zeros(E).scatter_add_(0, episodes, penalty.float().cpu())
     adv = fn(ep_reward, group_ids.cpu()[first])
     return adv[episodes]
+
+
+def _first_rows(episodes: torch.Tensor) -> torch.Tensor:
+    """(E,) the index of each episode's first row (rows of an episode are consecutive)."""
+    E = int(episodes.max()) + 1
+    first = torch.full((E,), len(episodes), dtype=torch.long)
+    return first.scatter_reduce(0, episodes, torch.arange(len(episodes)), reduce="amin")
+
+
+def turn_row_advantages(
+    name: str,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    episodes: torch.Tensor,
+    train: Any,
+    eps: float | None,
+    gamma: float | None,
+    estimator: dict[str, Any],
+) -> torch.Tensor:
+    """(B,) row advantages of a turn estimator (``gigpo``, ``turn_returns``) on step-wise rows.
+
+    ``estimator["turns"]`` holds the *episodes'* turns (state keys and env rewards per turn,
+    :class:`gyre.algos.Turns`); the estimator runs on the episodes as it would on whole
+    episodes, with turn k standing for one token at position k, and row r, the k-th row of its
+    episode, gets that turn's value. ``rewards`` / ``group_ids`` are per row (equal within an
+    episode).
+    """
+    turns: Turns = estimator["turns"]
+    first = _first_rows(episodes.cpu())
+    E = len(first)
+    if len(turns.spans) != E:
+        raise ValueError(f"step-wise turn credit: {len(turns.spans)} episodes' turns for {E}")
+    k_of = torch.arange(len(episodes)) - first[episodes.cpu()]  # each row's turn in its episode
+    n_turns = [len(s) for s in turns.spans]
+    K = max([*n_turns, 1])
+    mask = torch.zeros(E, K)
+    for e, n in enumerate(n_turns):
+        mask[e, :n] = 1.0
+    one_per_turn = Turns(
+        [[(k, k + 1) for k in range(n)] for n in n_turns], turns.states, turns.rewards
+    )
+    kw = {k: v for k, v in estimator.items() if k != "turns"}
+    adv, _ = compute_advantages(
+        name, rewards.float().cpu()[first], group_ids.cpu()[first], loss_mask=mask,
+        turns=one_per_turn, eps=train.adv_eps if eps is None else eps,
+        gamma=train.algo.discount if gamma is None else gamma, **kw,
+    )  # fmt: skip
+    n_of = torch.tensor(n_turns)[episodes.cpu()]
+    # a row past its episode's turns (a failed episode's one row) gets 0
+    return adv[episodes.cpu(), k_of.clamp(max=K - 1)] * (k_of < n_of)

@@ -49,13 +49,14 @@ from gyre.algos import (
     get_kl_fn,
     masked_token_sum,
 )
+from gyre.algos.advantages import NEEDS_TURNS
 from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
 from gyre.trainer.batch import TokenBatch, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
 from gyre.trainer.loss import micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
-from gyre.trainer.stepwise import episode_advantages
+from gyre.trainer.stepwise import episode_advantages, turn_row_advantages
 
 OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 
@@ -261,8 +262,13 @@ def batch_advantages(
         else:
             rewards = rewards - train.kl_coef * kl.sum(dim=1)
     if episodes is not None:
+        if name in NEEDS_TURNS:  # turn-level credit: turn k of an episode is its k-th row
+            adv = turn_row_advantages(
+                name, rewards, group_ids, episodes, train, eps, gamma, estimator
+            )
+            return adv.to(mask.device), metrics
         if name in TOKEN_LEVEL:
-            raise ValueError(f"step-wise samples need an outcome estimator, not {name!r}")
+            raise ValueError(f"step-wise samples need an outcome or turn estimator, not {name!r}")
         e = train.adv_eps if eps is None else eps
         fn = lambda r, g: compute_advantages(name, r, g, eps=e)[0]  # noqa: E731
         adv = episode_advantages(fn, rewards, penalty, group_ids, episodes)

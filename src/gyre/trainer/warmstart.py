@@ -38,10 +38,12 @@ from gyre.rollout.core import STREAM_SFT, run_stops
 from gyre.rollout.episodes import demonstrate
 from gyre.rollout.evaluate import train_seed
 from gyre.rollout.tools import message_mode
+from gyre.rollout.window import window_of
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from gyre.trainer.batch import collate
 from gyre.trainer.schedule import build_scheduler
 from gyre.trainer.sft import sft_step
+from gyre.trainer.stepwise import expand_steps
 from gyre.types import Trajectory
 
 
@@ -69,6 +71,8 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
            "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab(),
            "successful_only": cfg.sft.successful_only,
            "terminator": list(terminator)}  # fmt: skip
+    if cfg.rollout.history_turns is not None:  # each demonstration's turn samples
+        key["window"] = [cfg.rollout.history_turns, cfg.rollout.keep_opening]
     if chat is not None:  # the rendering depends on the template, the limits, the image side
         vision = vision_of(tokenizer)
         key["chat"] = {"template": tokenizer.chat_template, "rollout": cfg.rollout.model_dump(),
@@ -79,7 +83,7 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
         lambda: _pack_images(_demos(
             lambda k: demonstrate(
                 make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng,
-                terminator=terminator, chat=chat,
+                terminator=terminator, chat=chat, window=window_of(cfg.rollout),
             ),
             cfg.sft.demos, cfg.sft.successful_only,
         )),
@@ -120,7 +124,7 @@ def _pack_images(demos: list[Trajectory]) -> list[Trajectory]:
         Image.fromarray(img).save(buf, format="PNG")
         return buf.getvalue()
 
-    return [replace(d, images=[png(im) for im in d.images]) for d in demos]
+    return [_map_images(d, png) for d in demos]
 
 
 def _unpack_images(demos: list[Trajectory]) -> list[Trajectory]:
@@ -132,7 +136,13 @@ def _unpack_images(demos: list[Trajectory]) -> list[Trajectory]:
     def arr(png: bytes) -> np.ndarray:
         return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
-    return [replace(d, images=[arr(b) for b in d.images]) for d in demos]
+    return [_map_images(d, arr) for d in demos]
+
+
+def _map_images(d: Trajectory, fn: Callable[[Any], Any]) -> Trajectory:
+    """``d`` with ``fn`` applied to its images and to its step-wise samples' images."""
+    steps = [replace(s, images=[fn(im) for im in s.images]) for s in d.steps] if d.steps else None
+    return replace(d, images=[fn(im) for im in d.images], steps=steps)
 
 
 def run_sft(
@@ -183,9 +193,8 @@ def run_sft(
     try:
         for step in range(start + 1, cfg.sft.steps + 1):
             idx = cursor.take(cfg.sft.batch_size)
-            batch = collate(
-                [demos[i] for i in idx], tokenizer.pad_token_id, device, vision_of(tokenizer)
-            )
+            rows, _ = expand_steps([demos[i] for i in idx])  # rollout.history_turns: turns
+            batch = collate(rows, tokenizer.pad_token_id, device, vision_of(tokenizer))
             lr = opt.param_groups[0]["lr"]
             metrics = sft_step(
                 model, opt, batch, cfg.train.micro_batch_size, cfg.train.max_grad_norm
