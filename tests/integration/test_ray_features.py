@@ -282,3 +282,23 @@ def test_recorded_source_under_ray_matches_local(ray_cluster, warm, tmp_path):
     steps = [r for r in _metrics(a) if "train/loss" in r]
     assert len(steps) == STEPS and s["runner"] == "ray"
     assert all(0 < r["train/is_weight"] <= 2.0 for r in steps)  # rollout IS on under a source
+
+
+def test_memoryless_maze_with_gigpo_under_ray_matches_local(ray_cluster, tmp_path):
+    """rollout.history_turns=0 (each turn a row, GiGPO's turn credit per row) composes with the
+    Ray runner through the one loop: bitwise the local run's metrics and weights."""
+    maze = [t for t in TINY if not t.startswith(("env.", "train.sampling"))] + [
+        "env.name=maze", "rollout.history_turns=0", "rollout.keep_opening=false",
+        "train.algo.advantage=gigpo", "train.sampling.max_new_tokens=2", "sft.steps=60",
+        "sft.demos=256", "sft.batch_size=16", "sft.lr=0.01",
+        f"train.steps={STEPS}", f"train.tasks_per_step={TASKS}", f"train.group_size={GROUP}",
+        "train.lr=0.01", "train.sampling.temperature=1.0", "eval.episodes=8",
+        "checkpoint.every=0",
+    ]  # fmt: skip
+    a, b = tmp_path / "ray", tmp_path / "local"
+    runners.train(load_config(None, [*maze, f"run.dir={a}", "runner=ray",
+                                     f"ray.tasks_per_share={TASKS}"]))  # fmt: skip
+    runners.train(load_config(None, [*maze, f"run.dir={b}"]))
+    _same_as_local(a, b)
+    samples = [json.loads(x) for x in (b / "samples.jsonl").read_text().splitlines()]
+    assert samples, "the run wrote samples"

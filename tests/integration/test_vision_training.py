@@ -83,11 +83,13 @@ def test_lora_on_the_language_model_leaves_the_vision_tower_bitwise_unchanged(tm
                          for n in tower)  # fmt: skip
 
 
-def test_gyre_train_visual_maze_sft_then_grpo(tmp_path):
+@pytest.mark.parametrize("window", [[], ["rollout.history_turns=0", "rollout.keep_opening=false"]])
+def test_gyre_train_visual_maze_sft_then_grpo(tmp_path, window):
     """`gyre train env.name=visual_maze model.kind=qwen2_5_vl`: 3 SFT steps on image
-    demonstrations (the loss falls, finite), then 2 GRPO steps on the SFT checkpoint."""
+    demonstrations (the loss falls, finite), then 2 GRPO steps on the SFT checkpoint; also
+    memoryless (rollout.history_turns=0: one image per turn prompt, each turn a row)."""
     run_dir = tmp_path / "run"
-    over = [
+    over = [*window,
         "run.threads=1", "log.console=off", "model.kind=qwen2_5_vl", "env.name=visual_maze",
         "sft.steps=3", "sft.demos=8", "sft.batch_size=4", "sft.lr=0.01", "train.steps=2",
         "train.tasks_per_step=2", "train.group_size=2", "train.sampling.max_new_tokens=2",

@@ -254,3 +254,34 @@ def test_the_visual_maze_example_keeps_the_text_mazes_rules():
     rules = ("size", "wall_density", "min_distance", "budget_factor")
     assert all(getattr(cfg.env.maze, k) == getattr(text.env.maze, k) for k in rules)
     assert cfg.eval.episodes >= 200  # the before/after table on held-out mazes
+
+
+@pytest.mark.parametrize("image_last", [False, True])
+def test_image_last_puts_the_image_a_fixed_distance_before_the_reply(qwen_tok, image_last):
+    """env.visual_maze.image_last: in a memoryless turn's prompt the image's tokens end a fixed
+    number of tokens before the reply, whatever the turn's text says; image first, they do not
+    (the feedback text's length varies between turns)."""
+    from gyre.rollout.window import Window
+
+    make = _visual_maze(
+        "env.visual_maze.view=agent",
+        "env.visual_maze.cell_px=8",
+        "env.visual_maze.pad_to=16",
+        f"env.visual_maze.image_last={image_last}",
+    )
+    chat = ChatMode(ChatTemplate(qwen_tok), window=Window(0, keep_opening=False))
+    vision = vision_of(qwen_tok)
+    gaps, texts = set(), set()
+    for seed in range(6):
+        demo = demonstrate(make, qwen_tok, seed, 0.5, np.random.default_rng(seed),
+                           train_on_noise=True, chat=chat)  # fmt: skip
+        assert demo.steps and len(demo.steps) == demo.num_turns
+        for s in demo.steps:
+            assert len(s.images) == 1  # memoryless: the current picture only
+            vision.check(s.token_ids, s.images, "turn")
+            reply = s.loss_mask.index(1)
+            last_image = max(i for i, t in enumerate(s.token_ids) if t == vision.image_token_id)
+            gaps.add(reply - last_image)
+            texts.add(len(s.token_ids) - s.token_ids.count(vision.image_token_id))
+    assert len(texts) > 2  # the turns' texts differ in length ...
+    assert (len(gaps) == 1) == image_last  # ... yet image last, the image sits where it did

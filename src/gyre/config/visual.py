@@ -56,6 +56,12 @@ class VisualMazeConfig(_Section):
         description="Also give the text maze's own observation (env.maze.observation) in the "
         "text, for ablations: pixels plus text against pixels alone.",
     )
+    image_last: bool = Field(
+        False,
+        description="Put the image after the text in each user message, right before the "
+        "reply: its tokens then sit a fixed distance from the answer whatever the text's "
+        "length (false: the image first, then the text).",
+    )
 
 
 class MiniGridConfig(_Section):

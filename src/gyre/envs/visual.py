@@ -34,6 +34,7 @@ def image_env_factory(cfg: EnvConfig) -> Callable[[], MessageEnv]:
                 v.text_observation,
                 v.view,
                 v.radius,
+                v.image_last,
             )
 
         make_visual_maze()

@@ -126,6 +126,7 @@ class VisualMazeEnv:
         text_observation: bool = False,
         view: str = "grid",
         radius: int = 0,
+        image_last: bool = False,
     ) -> None:
         if not 2 <= cell_px <= 64:
             raise ValueError(f"env.visual_maze.cell_px must lie in [2, 64], got {cell_px}")
@@ -140,6 +141,7 @@ class VisualMazeEnv:
         self.draw_visited, self.grid_lines = draw_visited, grid_lines
         self.feedback, self.text_observation = feedback, text_observation
         self.view, self.radius = view, radius
+        self.image_last = image_last
 
     @property
     def image_side(self) -> int:
@@ -167,6 +169,8 @@ class VisualMazeEnv:
             {"type": "image", "image": pil_image(self.pixels())},
             {"type": "text", "text": text},
         ]
+        if self.image_last:  # the image right before the reply, at a fixed distance from it
+            content.reverse()
         return [{"role": "user", "content": content}]
 
     def intro(self) -> str:
