@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -145,6 +146,32 @@ def golden_run(name: str, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def blas_family() -> str:
+    """Which records this CPU replays: ``"intel"`` on an Intel CPU, whose MKL takes other
+    kernels than on the AMD CPUs the first records were made on (``tests/golden/intel/``, made
+    with ``MKL_CBWR=AVX2``), else ``""`` (``tests/golden/*.json``)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return "intel" if "GenuineIntel" in info else ""
+
+
+def replay_env() -> dict[str, str]:
+    """The environment a record is made and replayed in: torch's AVX2 kernels, and on Intel
+    MKL's AVX2 code path (conditional numerical reproducibility)."""
+    env = {"ATEN_CPU_CAPABILITY": "avx2"}
+    if blas_family() == "intel":
+        env["MKL_CBWR"] = "AVX2"
+    return env
+
+
+def record_path(name: str) -> Path:
+    """Where ``name``'s record for this CPU's family lives."""
+    family = blas_family()
+    return (HERE / family if family else HERE) / f"{name}.json"
+
+
 def cpu_capability() -> str:
     """The SIMD code path torch's CPU kernels take here (``AVX2``, ``AVX512``, ``DEFAULT``...)."""
     import torch
@@ -156,6 +183,7 @@ if __name__ == "__main__":
     # The records are made with torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2 on a CPU that
     # has more): other SIMD paths give other bits (docs/operations.md, "Guarantees").
     # ``--out FILE NAME``: write NAME's record to FILE instead (the test's subprocess).
+    # On an Intel CPU the records are tests/golden/intel/*.json, made with MKL_CBWR=AVX2 too.
     args = sys.argv[1:]
     out = None
     if args[:1] == ["--out"]:
@@ -172,5 +200,8 @@ if __name__ == "__main__":
                 f"record with torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2), "
                 f"not {cpu_capability()}"
             )
-        (HERE / f"{name}.json").write_text(text)
+        if blas_family() == "intel" and os.environ.get("MKL_CBWR") != "AVX2":
+            raise SystemExit("on an Intel CPU record with MKL_CBWR=AVX2 (see replay_env)")
+        record_path(name).parent.mkdir(exist_ok=True)
+        record_path(name).write_text(text)
         print(f"{name}: {len(rec['metrics'])} metric rows, {len(rec['final_weights'])} tensors")

@@ -21,12 +21,13 @@ _spec.loader.exec_module(record)
 
 def _golden_run_on_avx2(name: str, tmp_path: Path) -> dict:
     """``name``'s golden record, made with torch's AVX2 kernels as the records were: in this
-    process on an AVX2 CPU, else in a subprocess with ``ATEN_CPU_CAPABILITY=avx2`` (an
-    AVX-512 CPU runs AVX2 code; its own kernels give other bits, docs/operations.md)."""
-    if record.cpu_capability() == "AVX2":
+    process on an AVX2 CPU that is not Intel's, else in a subprocess with
+    ``ATEN_CPU_CAPABILITY=avx2`` (an AVX-512 CPU runs AVX2 code; its own kernels give other
+    bits) and, on Intel, ``MKL_CBWR=AVX2`` (``record.replay_env``; docs/operations.md)."""
+    if record.cpu_capability() == "AVX2" and not record.blas_family():
         return record.golden_run(name, tmp_path / "run")
     out = tmp_path / "record.json"
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    env = {**os.environ, **record.replay_env()}
     cmd = [sys.executable, str(GOLDEN / "record.py"), "--out", str(out), name]
     subprocess.run(cmd, env=env, check=True, cwd=tmp_path, stdout=subprocess.DEVNULL)
     got = json.loads(out.read_text())
@@ -37,7 +38,7 @@ def _golden_run_on_avx2(name: str, tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("name", sorted(record.RUNS))
 def test_golden_run_is_bitwise_identical(name: str, tmp_path: Path) -> None:
-    want = json.loads((GOLDEN / f"{name}.json").read_text())
+    want = json.loads(record.record_path(name).read_text())
     got = _golden_run_on_avx2(name, tmp_path)
     assert _portable(got["args"]) == _portable(want["args"]), (
         "the golden run's config changed: re-record deliberately"

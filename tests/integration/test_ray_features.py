@@ -293,7 +293,7 @@ def test_memoryless_maze_with_gigpo_under_ray_matches_local(ray_cluster, tmp_pat
         "sft.demos=256", "sft.batch_size=16", "sft.lr=0.01",
         f"train.steps={STEPS}", f"train.tasks_per_step={TASKS}", f"train.group_size={GROUP}",
         "train.lr=0.01", "train.sampling.temperature=1.0", "eval.episodes=8",
-        "checkpoint.every=0",
+        "checkpoint.every=0", "train.level_replay.prob=0",
     ]  # fmt: skip
     a, b = tmp_path / "ray", tmp_path / "local"
     runners.train(load_config(None, [*maze, f"run.dir={a}", "runner=ray",

@@ -72,6 +72,7 @@ def _cfg(run_dir: Path, model: Path, *extra: str, ray_on: bool = True):
         "train.lr=0.003",
         "eval.episodes=8",
         "checkpoint.every=0",
+        "train.level_replay.prob=0",  # the maze default replays tasks on the local runner only
     ]
     if ray_on:
         ov += [

@@ -93,7 +93,7 @@ def test_config_defaults_under_train_source():
     assert cfg.sft.steps == 0 and cfg.train.algo.rollout_is == "truncate"
     named = load_config(None, ["train.source=rec", "model.path=m", "train.algo.rollout_is=none"])
     assert named.train.algo.rollout_is == "none"
-    assert Config().sft.steps == 150 and Config().train.algo.rollout_is == "none"  # unchanged
+    assert Config().sft.steps == 40 and Config().train.algo.rollout_is == "none"  # unchanged
     with pytest.raises(Exception, match=r"train\.source needs model\.path"):
         load_config(None, ["train.source=rec"])
     with pytest.raises(Exception, match=r"sft\.steps must be 0"):

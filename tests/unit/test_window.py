@@ -175,6 +175,8 @@ def test_turn_credit_on_rows_equals_it_on_whole_episodes():
 
 def test_config_takes_turn_estimators_and_refuses_token_ones():
     cfg = load_config(None, ["rollout.history_turns=0", "train.algo.advantage=gigpo"])
+    assert cfg.rollout.history_turns == 0 and not cfg.rollout.keep_opening  # the maze default
+    cfg = load_config(None, ["env.name=arithmetic", "rollout.history_turns=0"])
     assert cfg.rollout.history_turns == 0 and cfg.rollout.keep_opening
     with pytest.raises(ValueError, match=r"rollout\.history_turns needs an outcome or turn"):
         load_config(None, ["rollout.history_turns=1", "train.algo.advantage=gae"])
@@ -182,3 +184,36 @@ def test_config_takes_turn_estimators_and_refuses_token_ones():
         load_config(None, ["rollout.history_turns=1", "train.algo.kl_in=reward"])
     with pytest.raises(ValueError, match="history_turns"):
         load_config(None, ["rollout.history_turns=-1"])
+
+
+def test_the_maze_default_is_memoryless_with_level_replay_unless_set():
+    """env.name=maze fills the keys a config leaves unset with the default's recipe (README):
+    a memoryless window and level replay (local runner only); set keys and other envs keep
+    theirs, and a saved config.yaml reloads to the same values."""
+    cfg = load_config(None, [])
+    assert (cfg.rollout.history_turns, cfg.rollout.keep_opening) == (0, False)
+    assert cfg.train.level_replay.prob == 0.5
+    whole = load_config(None, ["rollout.history_turns=all", "rollout.keep_opening=true",
+                               "train.level_replay.prob=0"])  # fmt: skip
+    assert (whole.rollout.history_turns, whole.rollout.keep_opening) == (None, True)
+    assert whole.train.level_replay.prob == 0.0
+    assert load_config(None, ["rollout.history_turns=null"]).rollout.history_turns is None
+    other = load_config(None, ["env.name=arithmetic"])
+    assert other.rollout.history_turns is None and other.rollout.keep_opening
+    assert other.train.level_replay.prob == 0.0
+    ray = load_config(None, ["runner=ray"])
+    assert ray.rollout.history_turns == 0 and ray.train.level_replay.prob == 0.0
+    with pytest.raises(ValueError, match=r"rollout\.history_turns=null: env\.name=maze"):
+        load_config(None, ["train.algo.advantage=gae"])
+    assert load_config(None, ["train.algo.advantage=gae", "rollout.history_turns=all"])
+
+
+def test_a_saved_maze_config_reloads_to_the_same_window(tmp_path):
+    from gyre.config import dump_config
+
+    for over in ([], ["rollout.history_turns=all", "train.level_replay.prob=0"]):
+        cfg = load_config(None, over)
+        path = tmp_path / "config.yaml"
+        path.write_text(dump_config(cfg))
+        again = load_config(path)
+        assert again.rollout == cfg.rollout and again.train == cfg.train

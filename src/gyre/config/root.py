@@ -65,6 +65,22 @@ class Config(_Section):
         return v
 
     @model_validator(mode="after")
+    def _maze_recipe(self) -> Config:
+        """The maze default's memoryless policy and level replay (README, docs/maze-experiments.md
+        "Session 19"): with ``env.name=maze``, keys the config leaves unset get the recipe's
+        values; every other env keeps the fields' own defaults."""
+        if self.env.name != "maze":
+            return self
+        r, replay = self.rollout, self.train.level_replay
+        if "history_turns" not in r.model_fields_set:  # the view marks visited cells
+            r.history_turns = 0
+        if "keep_opening" not in r.model_fields_set:
+            r.keep_opening = False
+        if "prob" not in replay.model_fields_set and self.runner == "local":
+            replay.prob = 0.5
+        return self
+
+    @model_validator(mode="after")
     def _check_stepwise(self) -> Config:
         r = self.rollout
         if r.stepwise or r.history_turns is not None:
@@ -74,7 +90,8 @@ class Config(_Section):
                 raise ValueError(
                     f"{key} needs an outcome or turn estimator (grpo, dr_grpo, rloo, gigpo, "
                     f"turn_returns); train.algo.advantage={adv} is per token (set "
-                    "train.algo.advantage=grpo)"
+                    "train.algo.advantage=grpo, or rollout.history_turns=null: env.name=maze "
+                    "makes it 0 unless set)"
                 )
             if adv in ("gigpo", "turn_returns") and self.train.algo.kl_in == "reward":
                 raise ValueError(

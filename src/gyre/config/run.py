@@ -162,7 +162,7 @@ class MazeConfig(_Section):
         " moves ahead; window half-width.",
     )
     demonstrator: Literal["shortest", "greedy", "lookahead", "careful"] = Field(
-        "greedy",
+        "careful",
         description="SFT demonstrator: shortest = a move along a shortest path (solves every "
         "maze); greedy = the legal move that brings the agent closest to the goal (never bumps, "
         "but ignores dead ends and visited cells); lookahead = greedy, but a neighbour that is a "
@@ -345,13 +345,21 @@ class RolloutConfig(_Section):
         ge=0,
         description="Bounded history (gyre.rollout.window): each turn's prompt holds the "
         "opening observation, the last N exchanges and the current observation, and every "
-        "turn is its own training sample; 0: memoryless; unset: the whole episode.",
+        "turn is its own training sample; 0: memoryless; null (or 'all'): the whole episode. "
+        "Unset with env.name=maze: 0 (the maze default's memoryless policy).",
     )
     keep_opening: bool = Field(
         True,
         description="With rollout.history_turns: the episode's opening observation (the task) "
-        "stays at the head of every turn's prompt (a chat's system messages always do).",
+        "stays at the head of every turn's prompt (a chat's system messages always do). Unset "
+        "with env.name=maze: false.",
     )
+
+    @field_validator("history_turns", mode="before")
+    @classmethod
+    def _whole_episode(cls, v: Any) -> Any:
+        """``rollout.history_turns=all`` (or ``null``) on the command line: the whole episode."""
+        return None if isinstance(v, str) and v.strip().lower() in ("all", "null", "none") else v
     max_turns: int = Field(
         16, gt=0, description="Message mode: most assistant turns per episode (then truncated)."
     )

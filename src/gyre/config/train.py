@@ -43,7 +43,7 @@ class SamplingConfig(_Section):
 
 
 class SFTConfig(_Section):
-    steps: int = Field(150, ge=0, description="SFT optimizer steps; 0 skips SFT.")
+    steps: int = Field(40, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
     lr: float = Field(1e-3, gt=0, le=MAX_LR, description="SFT AdamW learning rate, in (0, 1].")
     warmup_steps: int = Field(10, ge=0, description="Linear LR warmup steps.")
@@ -209,7 +209,11 @@ class LevelReplayConfig(_Section):
     """Prioritised level replay (Jiang et al. 2021, arXiv:2010.03934) over training tasks."""
 
     prob: float = Field(
-        0.0, ge=0, le=1, description="Chance that a task slot replays a buffered task; 0 = off."
+        0.0,
+        ge=0,
+        le=1,
+        description="Chance that a task slot replays a buffered task; 0 = off. Unset with "
+        "env.name=maze and runner=local: 0.5 (the maze default).",
     )
     buffer_size: int = Field(
         64, gt=0, description="Most tasks kept for replay (the lowest-scored one is evicted)."
@@ -220,7 +224,7 @@ class LevelReplayConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(60, ge=0, description="GRPO steps (rollout + update each).")
+    steps: int = Field(150, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(32, gt=0, description="Distinct tasks (prompts) per GRPO step.")
     group_size: int = Field(
         8, ge=2, description="Samples per task (G) for group-relative advantages."
