@@ -360,6 +360,7 @@ class RolloutConfig(_Section):
     def _whole_episode(cls, v: Any) -> Any:
         """``rollout.history_turns=all`` (or ``null``) on the command line: the whole episode."""
         return None if isinstance(v, str) and v.strip().lower() in ("all", "null", "none") else v
+
     max_turns: int = Field(
         16, gt=0, description="Message mode: most assistant turns per episode (then truncated)."
     )
