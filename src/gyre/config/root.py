@@ -68,11 +68,19 @@ class Config(_Section):
     def _maze_recipe(self) -> Config:
         """The maze default's memoryless policy and level replay (README, docs/maze-experiments.md
         "Session 19"): with ``env.name=maze``, keys the config leaves unset get the recipe's
-        values; every other env keeps the fields' own defaults."""
+        values (the window only where the advantages allow one, the replay only on the local
+        runner); every other env keeps the fields' own defaults."""
         if self.env.name != "maze":
             return self
-        r, replay = self.rollout, self.train.level_replay
-        if "history_turns" not in r.model_fields_set:  # the view marks visited cells
+        r, replay, algo = self.rollout, self.train.level_replay, self.train.algo
+        # a window needs row-wise advantages: with a per-token estimator (gae, reinforce_pp*),
+        # DAPO's overlong shaping or a KL reward under a turn estimator, the whole episode stays
+        windowable = (
+            algo.advantage in ("grpo", "dr_grpo", "rloo", "gigpo", "turn_returns")
+            and self.train.dapo.overlong_buffer_len == 0
+            and not (algo.advantage in ("gigpo", "turn_returns") and algo.kl_in == "reward")
+        )
+        if "history_turns" not in r.model_fields_set and windowable:  # the view marks visits
             r.history_turns = 0
         if "keep_opening" not in r.model_fields_set:
             r.keep_opening = False
@@ -90,8 +98,7 @@ class Config(_Section):
                 raise ValueError(
                     f"{key} needs an outcome or turn estimator (grpo, dr_grpo, rloo, gigpo, "
                     f"turn_returns); train.algo.advantage={adv} is per token (set "
-                    "train.algo.advantage=grpo, or rollout.history_turns=null: env.name=maze "
-                    "makes it 0 unless set)"
+                    "train.algo.advantage=grpo)"
                 )
             if adv in ("gigpo", "turn_returns") and self.train.algo.kl_in == "reward":
                 raise ValueError(

@@ -346,7 +346,8 @@ class RolloutConfig(_Section):
         description="Bounded history (gyre.rollout.window): each turn's prompt holds the "
         "opening observation, the last N exchanges and the current observation, and every "
         "turn is its own training sample; 0: memoryless; null (or 'all'): the whole episode. "
-        "Unset with env.name=maze: 0 (the maze default's memoryless policy).",
+        "Unset with env.name=maze: 0 (the maze default's memoryless policy) where the advantages "
+        "allow a window (an outcome or turn estimator).",
     )
     keep_opening: bool = Field(
         True,
