@@ -13,6 +13,7 @@ exact. The final weights are hashed tensor by tensor (sha256 of the raw bytes, s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -146,6 +147,7 @@ def golden_run(name: str, run_dir: Path) -> dict[str, Any]:
     }
 
 
+@functools.cache
 def blas_family() -> str:
     """Which records this CPU replays: ``"intel"`` on an Intel CPU, whose MKL takes other
     kernels than on the AMD CPUs the first records were made on (``tests/golden/intel/``, made

@@ -72,40 +72,40 @@ class Config(_Section):
         runner); every other env keeps the fields' own defaults."""
         if self.env.name != "maze":
             return self
-        r, replay, algo = self.rollout, self.train.level_replay, self.train.algo
-        # a window needs row-wise advantages: with a per-token estimator (gae, reinforce_pp*),
-        # DAPO's overlong shaping or a KL reward under a turn estimator, the whole episode stays
-        windowable = (
-            algo.advantage in ("grpo", "dr_grpo", "rloo", "gigpo", "turn_returns")
-            and self.train.dapo.overlong_buffer_len == 0
-            and not (algo.advantage in ("gigpo", "turn_returns") and algo.kl_in == "reward")
-        )
-        if "history_turns" not in r.model_fields_set and windowable:  # the view marks visits
-            r.history_turns = 0
+        r, replay = self.rollout, self.train.level_replay
+        # a window needs row-wise advantages; where _row_wise_problem objects, the whole episode
+        if "history_turns" not in r.model_fields_set and self._row_wise_problem("") is None:
+            r.history_turns = 0  # the view marks visited cells
         if "keep_opening" not in r.model_fields_set:
             r.keep_opening = False
         if "prob" not in replay.model_fields_set and self.runner == "local":
             replay.prob = 0.5
         return self
 
+    def _row_wise_problem(self, key: str) -> str | None:
+        """Why ``key`` (step-wise rows: ``rollout.stepwise`` or ``rollout.history_turns``) does
+        not fit the advantage settings, or None where it does."""
+        adv = self.train.algo.advantage
+        if adv not in ("grpo", "dr_grpo", "rloo", "gigpo", "turn_returns"):
+            return (
+                f"{key} needs an outcome or turn estimator (grpo, dr_grpo, rloo, gigpo, "
+                f"turn_returns); train.algo.advantage={adv} is per token (set "
+                "train.algo.advantage=grpo)"
+            )
+        if adv in ("gigpo", "turn_returns") and self.train.algo.kl_in == "reward":
+            return f"{key} with train.algo.advantage={adv}: train.algo.kl_in must be 'loss'"
+        if self.train.dapo.overlong_buffer_len > 0:
+            return f"{key}: train.dapo.overlong_buffer_len must be 0"
+        return None
+
     @model_validator(mode="after")
     def _check_stepwise(self) -> Config:
         r = self.rollout
         if r.stepwise or r.history_turns is not None:
             key = "rollout.stepwise" if r.stepwise else "rollout.history_turns"
-            adv = self.train.algo.advantage
-            if adv not in ("grpo", "dr_grpo", "rloo", "gigpo", "turn_returns"):
-                raise ValueError(
-                    f"{key} needs an outcome or turn estimator (grpo, dr_grpo, rloo, gigpo, "
-                    f"turn_returns); train.algo.advantage={adv} is per token (set "
-                    "train.algo.advantage=grpo)"
-                )
-            if adv in ("gigpo", "turn_returns") and self.train.algo.kl_in == "reward":
-                raise ValueError(
-                    f"{key} with train.algo.advantage={adv}: train.algo.kl_in must be 'loss'"
-                )
-            if self.train.dapo.overlong_buffer_len > 0:
-                raise ValueError(f"{key}: train.dapo.overlong_buffer_len must be 0")
+            problem = self._row_wise_problem(key)
+            if problem is not None:
+                raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
