@@ -285,3 +285,36 @@ def test_image_last_puts_the_image_a_fixed_distance_before_the_reply(qwen_tok, i
             texts.add(len(s.token_ids) - s.token_ids.count(vision.image_token_id))
     assert len(texts) > 2  # the turns' texts differ in length ...
     assert (len(gaps) == 1) == image_last  # ... yet image last, the image sits where it did
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_tiny_vlm_patch_size_keeps_the_language_models_draw(kind, tmp_path):
+    """model.tiny_vlm.patch_size changes the tower only: the language model's initial weights
+    depend on the seed and its own shape, not on how many draws the tower took; with qwen3_vl,
+    8-px patches and 16-px cells give one image token per maze cell."""
+    from safetensors.torch import load_file
+
+    from gyre.config import ConfigError
+    from gyre.envs.visual_maze import VisualMazeEnv
+    from gyre.models.vision_build import LMSize, create_tiny_vlm
+
+    own = create_tiny_vlm(kind, tmp_path / "own", 3, LMSize())
+    other = create_tiny_vlm(
+        kind, tmp_path / "p", 3, LMSize(patch_size=4 if kind == "qwen2_5_vl" else 8)
+    )
+    a, b = load_file(own / "model.safetensors"), load_file(other / "model.safetensors")
+    lm_keys = [k for k in a if "visual" not in k]
+    assert lm_keys and all(torch.equal(a[k], b[k]) for k in lm_keys)
+    patch = next(k for k in a if k.endswith("visual.patch_embed.proj.weight"))
+    assert a[patch].shape != b[patch].shape
+    third = load_file(create_tiny_vlm(kind, tmp_path / "s", 4, LMSize()) / "model.safetensors")
+    assert not torch.equal(a[lm_keys[0]], third[lm_keys[0]])  # another seed, another draw
+    if kind == "qwen3_vl":
+        _, tok = load_vlm(other, torch.device("cpu"))
+        env = VisualMazeEnv(MazeEnv(), cell_px=16, pad_to=16, view="agent")
+        env.reset(0)
+        assert vision_of(tok).num_tokens(env.pixels()) == 81  # 9 x 9 cells around the agent
+    with pytest.raises(ValueError, match=r"patch_size"):
+        create_tiny_vlm("idefics3", tmp_path / "i", 0, LMSize(patch_size=8))
+    with pytest.raises(ConfigError, match=r"model\.tiny_vlm\.patch_size"):
+        load_config(None, ["model.tiny_vlm.patch_size=7"])

@@ -78,6 +78,14 @@ class TinyVlmConfig(_Section):
     num_heads: int = Field(4, gt=0, description="Tiny VLM: attention heads.")
     num_kv_heads: int = Field(2, gt=0, description="Tiny VLM: key/value heads (GQA).")
     intermediate_size: int = Field(128, gt=0, description="Tiny VLM: the language model's MLP.")
+    patch_size: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Tiny Qwen-VL: the vision tower's patch side in pixels (2x2 patches merge "
+        "into one image token); 0: the kind's own (qwen2_5_vl 8, qwen3_vl 16). With qwen3_vl, "
+        "8 and env.visual_maze.cell_px=16 make one image token per maze cell.",
+    )
 
     @model_validator(mode="after")
     def _check_heads(self) -> TinyVlmConfig:
@@ -86,6 +94,11 @@ class TinyVlmConfig(_Section):
             raise ValueError(
                 f"model.tiny_vlm: hidden_size={self.hidden_size} must be a multiple of 8 x "
                 f"num_heads={self.num_heads}, and num_heads of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.patch_size and (self.patch_size < 2 or self.patch_size % 2):
+            raise ValueError(
+                f"model.tiny_vlm.patch_size must be 0 (the kind's own) or an even size >= 2, "
+                f"got {self.patch_size}"
             )
         return self
 

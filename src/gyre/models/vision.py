@@ -37,7 +37,9 @@ _log = logging.getLogger("gyre.models.vision")
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IDEFICS_TYPES = ("idefics3", "smolvlm")
 _ATTR = "_gyre_vision"  # the tokenizer attribute that carries a VLM's VisionIO
-_CACHE_MAX = 4096  # processed images kept per VisionIO (a few KB each for small images)
+# Processed images kept per VisionIO, bounded by their tensors' bytes (an 84-px image is about
+# 100 KB of fp32 patches, a 288-px one 2 MB: a count bound let the cache reach gigabytes).
+_CACHE_BYTES = 256 * 2**20
 
 
 def is_vlm_folder(path: str | Path) -> bool:
@@ -178,6 +180,7 @@ class VisionIO:
         video = getattr(config, "video_token_id", None)
         self._never = torch.tensor([self.image_token_id] + ([int(video)] if video else []))
         self._cache: dict[bytes, tuple[dict[str, torch.Tensor], int]] = {}
+        self._cache_bytes = 0
 
     # -- one image ----------------------------------------------------------------------------
     def process(self, image: np.ndarray) -> tuple[dict[str, torch.Tensor], int]:
@@ -199,9 +202,12 @@ class VisionIO:
                 text=[self.image_token], images=[[image]], add_special_tokens=False
             )
             n = list(probe["input_ids"][0]).count(self.image_token_id)
-        if len(self._cache) >= _CACHE_MAX:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self._cache_bytes + size > _CACHE_BYTES:
             self._cache.clear()
+            self._cache_bytes = 0
         self._cache[key] = (tensors, n)
+        self._cache_bytes += size
         return tensors, n
 
     def num_tokens(self, image: np.ndarray) -> int:

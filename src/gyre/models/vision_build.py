@@ -67,6 +67,7 @@ class LMSize:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 128
+    patch_size: int = 0  # the vision tower's patch; 0: the kind's own (Qwen2.5-VL 8, Qwen3-VL 16)
 
     def text_config(self) -> dict[str, Any]:
         return dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -114,12 +115,28 @@ def _qwen_parts(patch_size: int) -> tuple[PreTrainedTokenizerFast, dict[str, int
     return tok, ids, image_processor
 
 
+def _seeded(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Draw the language model's weights again from ``seed`` alone, so that they do not depend
+    on how many draws the vision tower (built first) took: two tiny VLMs with the same
+    ``run.seed`` and language model but other towers (``patch_size``) start from the same
+    language model. The SFT outcome of these tiny models depends strongly on that draw
+    (docs/vision.md, "Correction (session 20)")."""
+    init = model._init_weights
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for module in model.model.language_model.modules():
+                init(module)
+    return model
+
+
 def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     # 8-pixel patches, 2x2 merge: images are resized to multiples of 16 pixels, between 2x2
     # and 16x16 image tokens (64 x 64 to 256 x 256 pixels' worth).
-    tok, ids, image_processor = _qwen_parts(patch_size=8)
+    patch = lm.patch_size or 8
+    tok, ids, image_processor = _qwen_parts(patch_size=patch)
     config = Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=len(tok), **lm.text_config(), max_position_embeddings=4096,
@@ -129,9 +146,9 @@ def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFa
             eos_token_id=tok.eos_token_id,
         ),
         vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=patch,
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=lm.hidden_size,
-            window_size=32,
+            window_size=4 * patch,
             fullatt_block_indexes=[1],
         ),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -142,14 +159,16 @@ def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFa
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config)
-    return model, tok, image_processor
+    return _seeded(model, seed), tok, image_processor
 
 
 def _qwen3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
-    """Qwen3-VL: 16-pixel patches (its native size), 2x2 merge, deepstack on vision layer 0."""
+    """Qwen3-VL: 16-pixel patches (its native size; ``lm.patch_size`` to change), 2x2 merge,
+    deepstack on vision layer 0."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    tok, ids, image_processor = _qwen_parts(patch_size=16)
+    patch = lm.patch_size or 16
+    tok, ids, image_processor = _qwen_parts(patch_size=patch)
     config = Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tok), **lm.text_config(), head_dim=lm.head_dim,
@@ -159,7 +178,7 @@ def _qwen3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerF
             tie_word_embeddings=True,
         ),
         vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=patch,
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=lm.hidden_size,
             num_position_embeddings=64, deepstack_visual_indexes=[0],
         ),
@@ -170,10 +189,12 @@ def _qwen3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerF
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3VLForConditionalGeneration(config)
-    return model, tok, image_processor
+    return _seeded(model, seed), tok, image_processor
 
 
 def _idefics3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
+    if lm.patch_size:
+        raise ValueError("model.tiny_vlm.patch_size applies to the Qwen-VL kinds, not idefics3")
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
         Idefics3ImageProcessorPil,
