@@ -259,6 +259,30 @@ def test_text_observation_adds_the_text_mazes_view():
     assert _text(env.step("u")[0]).endswith(env.maze.render())
 
 
+def test_describe_replies_say_what_the_picture_shows_then_move():
+    """env.visual_maze.describe: the demonstrator's reply is the text maze's line then the
+    move; only the last word acts, so a wrong line with the right move still moves, and an
+    episode plays exactly as the plain env's with the bare moves."""
+    over = ("env.maze.observation=compass", "env.maze.view=1", "env.maze.demonstrator=careful")
+    env, plain = _make("env.visual_maze.describe=true", *over)(), _make(*over)()
+    assert "Say what you see" in _text(env.reset(5)) and "Reply with one move" in _text(
+        plain.reset(5)
+    )
+    rng, rng_plain = np.random.default_rng(0), np.random.default_rng(0)
+    done = False
+    while not done:
+        line = env.maze.render().strip()
+        reply, move = env.expert_action(rng), plain.expert_action(rng_plain)
+        assert reply == f"{line} {move}" and len(line) == 9  # u d l r cells, the goal's offset
+        got, want = env.step(reply), plain.step(move)
+        assert got[1:] == want[1:] and _text(got[0]) == _text(want[0])
+        done = got[2]
+    env.reset(5)
+    wall_line = "#### u9r9>"  # wrong about everything but the move
+    assert env.step(f"{wall_line} u")[3]["state"] == (3, 0)  # seed 5: open above (4, 0)
+    assert env.step("")[3]["malformed"] and env.random_action(rng).split()[0] == env.description()
+
+
 def test_config_builds_and_bounds():
     env = _make("env.maze.size=7", "env.visual_maze.cell_px=16", "env.visual_maze.pad_to=32")()
     assert env.maze.size == 7 and _pixels(env.reset(0)).shape == (128, 128, 3)

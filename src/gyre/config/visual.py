@@ -56,6 +56,14 @@ class VisualMazeConfig(_Section):
         description="Also give the text maze's own observation (env.maze.observation) in the "
         "text, for ablations: pixels plus text against pixels alone.",
     )
+    describe: bool = Field(
+        False,
+        description="The reply first says what the picture shows, in the text maze's words (its "
+        "env.maze.observation line after the first turn, e.g. 'd3l2 d.R l.L r.UD>'), then the "
+        "move: only the reply's last word is the action. The demonstrator writes the true "
+        "line, so SFT supervises reading the picture token by token, not only the move; "
+        "rollouts need max_new_tokens for the line (about 25 with exits).",
+    )
     image_last: bool = Field(
         False,
         description="Put the image after the text in each user message, right before the "

@@ -35,6 +35,7 @@ def image_env_factory(cfg: EnvConfig) -> Callable[[], MessageEnv]:
                 v.view,
                 v.radius,
                 v.image_last,
+                v.describe,
             )
 
         make_visual_maze()

@@ -25,6 +25,8 @@ Messages (HF processor chat-template form)::
                {"type": "text", "text": "You moved up. 7 moves left."}]}]
 
 The action format is the text maze's: ``u``/``d``/``l``/``r`` (or the words), one per reply.
+With ``describe`` the reply first says what the picture shows in the text maze's words (its
+observation line, e.g. ``d3l2 d.R l.L r.UD>``), then the move: ``d3l2 d.R l.L r.UD> d``.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class VisualMazeEnv:
         view: str = "grid",
         radius: int = 0,
         image_last: bool = False,
+        describe: bool = False,
     ) -> None:
         if not 2 <= cell_px <= 64:
             raise ValueError(f"env.visual_maze.cell_px must lie in [2, 64], got {cell_px}")
@@ -142,6 +145,7 @@ class VisualMazeEnv:
         self.feedback, self.text_observation = feedback, text_observation
         self.view, self.radius = view, radius
         self.image_last = image_last
+        self.describe = describe
 
     @property
     def image_side(self) -> int:
@@ -177,10 +181,15 @@ class VisualMazeEnv:
         """The opening text: what the colours mean, the budget and the action format."""
         visited = ", visited cells light blue" if self.draw_visited else ""
         centred = " (the picture is centred on you)" if self.view == "agent" else ""
+        reply = (
+            "Say what you see (the goal's offset, then the open moves), then one move"
+            if self.describe
+            else "Reply with one move"
+        )
         return (
             f"A maze: walls dark grey, free cells white{visited}, you the red square{centred}, "
             "the goal "
-            f"green. Reach the goal in at most {self.maze.budget} moves. Reply with one move: "
+            f"green. Reach the goal in at most {self.maze.budget} moves. {reply}: "
             "u (up), d (down), l (left) or r (right)."
         )
 
@@ -189,6 +198,9 @@ class VisualMazeEnv:
         return self._message(self.intro(), maze_text)
 
     def step(self, action: str) -> tuple[list[Message], float, bool, dict[str, Any]]:
+        if self.describe:  # "<what the picture shows> <move>": the move is the last word
+            words = action.split()
+            action = words[-1] if words else ""
         before = self.maze.pos
         maze_text, reward, done, info = self.maze.step(action)
         left = self.maze.budget - self.maze.moves
@@ -216,10 +228,18 @@ class VisualMazeEnv:
 
     # -- demonstrations: the text maze's own demonstrator -------------------------------------
     def expert_action(self, rng: np.random.Generator) -> str:
-        return self.maze.expert_action(rng)
+        return self._reply(self.maze.expert_action(rng))
 
     def random_action(self, rng: np.random.Generator) -> str:
-        return self.maze.random_action(rng)
+        return self._reply(self.maze.random_action(rng))
+
+    def description(self) -> str:
+        """What the picture shows, in the text maze's words (``describe``): its observation
+        line as a later turn renders it."""
+        return self.maze.render().strip()
+
+    def _reply(self, move: str) -> str:
+        return f"{self.description()} {move}" if self.describe else move
 
 
 __all__ = ["COLOURS", "VisualMazeEnv", "pil_image", "render_maze"]
