@@ -174,6 +174,26 @@ def test_warm_start_demonstrations_carry_images_and_cache(qwen_tok, tmp_path):
         demonstrations(load_config(None, [*over, "rollout.tools=[python]"]), tmp_path, qwen_tok)
 
 
+def test_windowed_demonstrations_share_their_frames(qwen_tok, tmp_path):
+    """With step-wise rows (rollout.history_turns=0) an episode and its steps hold the same
+    frames: decoded once from the cache, shared, not one copy per holder."""
+    from gyre.trainer.warmstart import demonstrations
+
+    over = ["env.name=visual_maze", "sft.demos=4", "model.kind=qwen2_5_vl",
+            "rollout.history_turns=0", "rollout.keep_opening=false"]  # fmt: skip
+    cfg = load_config(None, over)
+    fresh = demonstrations(cfg, tmp_path, qwen_tok)
+    again = demonstrations(cfg, tmp_path, qwen_tok)  # from sft_demos.pt
+    for a, b in zip(fresh, again, strict=True):
+        assert a.steps and len(a.steps) == len(b.steps) and len(b.images) > 1
+        held = {id(im) for im in b.images}
+        for sa, sb in zip(a.steps, b.steps, strict=True):
+            assert sa.token_ids == sb.token_ids and len(sb.images) == 1
+            assert np.array_equal(sa.images[0], sb.images[0]) and id(sb.images[0]) in held
+    frames = {id(im) for d in again for im in d.images}
+    assert len(frames) == len({im.tobytes() for d in again for im in d.images})
+
+
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "idefics3"])
 def test_tiny_vlm_language_model_size_is_config(kind, tmp_path):
     """model.tiny_vlm sizes the tiny VLM's language model (its defaults: the built-in one)."""

@@ -114,27 +114,42 @@ def _demos(play: Callable[[int], Trajectory], n: int, successful_only: bool) -> 
 
 def _pack_images(demos: list[Trajectory]) -> list[Trajectory]:
     """Each demonstration's images as PNG bytes (lossless) for the cache file: raw arrays of an
-    image env's 2,000 demonstrations take hundreds of MB, their PNGs a few MB."""
+    image env's 2,000 demonstrations take hundreds of MB, their PNGs a few MB. An image held by
+    an episode and by its step-wise samples is encoded once."""
     if not any(d.images for d in demos):
         return demos
     from PIL import Image
 
+    done: dict[int, bytes] = {}  # id(array) -> PNG: every array stays alive in ``demos``
+
     def png(img: np.ndarray) -> bytes:
-        buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="PNG")
-        return buf.getvalue()
+        if id(img) not in done:
+            buf = io.BytesIO()
+            Image.fromarray(img).save(buf, format="PNG")
+            done[id(img)] = buf.getvalue()
+        return done[id(img)]
 
     return [_map_images(d, png) for d in demos]
 
 
 def _unpack_images(demos: list[Trajectory]) -> list[Trajectory]:
-    """:func:`_pack_images` undone: the images back as HxWx3 uint8 arrays, bit for bit."""
+    """:func:`_pack_images` undone: the images back as HxWx3 uint8 arrays, bit for bit. Equal
+    PNGs decode to one shared (read-only) array: an episode and its step-wise samples hold the
+    same frames, and a maze's pictures repeat across demonstrations (an egocentric view of the
+    same cell), so decoding each occurrence kept several copies of every frame in memory."""
     if not any(d.images and isinstance(d.images[0], bytes) for d in demos):
         return demos
     from PIL import Image
 
+    decoded: dict[bytes, np.ndarray] = {}
+
     def arr(png: bytes) -> np.ndarray:
-        return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+        got = decoded.get(png)
+        if got is None:
+            got = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+            got.flags.writeable = False
+            decoded[png] = got
+        return got
 
     return [_map_images(d, arr) for d in demos]
 
