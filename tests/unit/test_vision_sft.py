@@ -340,3 +340,46 @@ def test_tiny_vlm_patch_size_keeps_the_language_models_draw(kind, tmp_path):
         create_tiny_vlm("idefics3", tmp_path / "i", 0, LMSize(patch_size=8))
     with pytest.raises(ConfigError, match=r"model\.tiny_vlm\.patch_size"):
         load_config(None, ["model.tiny_vlm.patch_size=7"])
+
+
+def test_vlm_micro_batches_pad_to_their_own_rows_and_sum_to_the_whole(tmp_path):
+    """A VLM batch is cut shortest rows first: each micro-batch pads only to its own longest
+    row, and the SFT gradient and the recomputed old log-probs equal one whole-batch forward's."""
+    from gyre.trainer.batch import collate, micro_batches
+    from gyre.trainer.sft import sft_step
+    from gyre.trainer.update import prepare_batch
+    from gyre.trainer.warmstart import demonstrations, expand_steps
+
+    model, tok = load_vlm(tiny_vlm("qwen3_vl", tmp_path / "vlms"), torch.device("cpu"))
+    over = ["env.name=visual_maze", "sft.demos=3", "model.kind=qwen3_vl",
+            "rollout.history_turns=0", "train.algo.old_logprobs=recompute",
+            "train.algo.skip_zero_advantage=false"]  # fmt: skip
+    cfg = load_config(None, over)
+    rows, _ = expand_steps(demonstrations(cfg, tmp_path, tok))
+    batch = collate(rows, tok.pad_token_id, torch.device("cpu"), vision_of(tok))
+    lengths = batch.attention_mask.sum(dim=1)
+    assert len(set(lengths.tolist())) > 2  # the opening turn is longer than the others
+    sels = micro_batches(batch, 4)
+    order = torch.cat(sels)
+    assert sorted(order.tolist()) == list(range(len(rows)))
+    assert lengths[order].tolist() == sorted(lengths.tolist())
+    for sel in sels:
+        assert batch.rows(sel).input_ids.shape[1] == int(lengths[sel].max())
+
+    def grads(size: int) -> tuple[float, list[torch.Tensor]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        loss = sft_step(model, opt, batch, size, max_grad_norm=1e9)["sft/loss"]
+        return loss, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    (loss_whole, whole), (loss_micro, micro) = grads(len(rows)), grads(4)
+    assert loss_micro == pytest.approx(loss_whole, rel=1e-5)
+    for a, b in zip(whole, micro, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    olds = []
+    for size in (len(rows), 4):
+        cfg.train.micro_batch_size = size
+        batch.extras.clear()
+        prepare_batch(model, batch, cfg.train)
+        olds.append(batch.extras["old_logprobs"])
+    torch.testing.assert_close(olds[0], olds[1], rtol=0, atol=1e-5)
+    assert (olds[1][batch.loss_mask.bool()] < 0).all()

@@ -64,6 +64,22 @@ class TokenBatch:
         )
 
 
+def micro_batches(batch: TokenBatch, size: int) -> list[slice | torch.Tensor]:
+    """The row selections of gradient accumulation / no-grad scoring, ``size`` rows each.
+
+    A text batch: consecutive slices (its scoring packs the padding away). A VLM batch is scored
+    right-padded through the Hugging Face forward, so its rows are taken shortest first: each
+    micro-batch pads only to its own longest row. Turn rows differ in length (an episode's first
+    turn carries the intro), and one long row padding a whole micro-batch cost about 2.4x the
+    real tokens on the visual maze. The sum over micro-batches is the same either way.
+    """
+    n = batch.input_ids.shape[0]
+    if batch.images is None:
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True).to("cpu")
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
 def collate(
     trajs: list[Trajectory], pad_token_id: int, device: torch.device, vision: Any = None
 ) -> TokenBatch:

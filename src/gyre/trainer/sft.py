@@ -9,15 +9,11 @@ from __future__ import annotations
 import torch
 
 from gyre.algos import masked_token_sum
-from gyre.trainer.batch import TokenBatch, token_logprobs
+from gyre.trainer.batch import TokenBatch, micro_batches, token_logprobs
 from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.update import finite_step
 
 __all__ = ["sft_step"]
-
-
-def _micro_slices(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 PLAIN = ScoringOptions(pack=False, chunk=0)
@@ -41,8 +37,8 @@ def sft_step(
     step_tokens = max(batch.num_tokens, 1)
     total = 0.0
     correct = 0.0
-    for sl in _micro_slices(batch.input_ids.shape[0], micro_batch_size):
-        mb = batch.rows(sl)
+    for sel in micro_batches(batch, micro_batch_size):
+        mb = batch.rows(sel)
         # A VLM batch scores only the loss-masked tokens: an image token's own log-prob is -inf
         # (placeholders are suppressed, as in the engine), and -inf * 0 would poison the sum.
         score = mb.loss_mask if mb.images is not None else None

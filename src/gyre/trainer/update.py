@@ -52,7 +52,7 @@ from gyre.algos import (
 from gyre.algos.advantages import NEEDS_TURNS
 from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
-from gyre.trainer.batch import TokenBatch, token_logprobs
+from gyre.trainer.batch import TokenBatch, micro_batches, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
 from gyre.trainer.loss import micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
@@ -165,28 +165,31 @@ def _score_batch(
     was_training = model.training
     model.eval()
     temperature, top_p = train.sampling.temperature, train.sampling.top_p
-    parts: dict[str, list[torch.Tensor]] = {"old_logprobs": [], "ref_logprobs": [], "values": []}
-    B, T = batch.input_ids.shape
-    for sl in _micro_slices(B, train.micro_batch_size):
-        mb = batch.rows(sl)
-        pad = T - mb.input_ids.shape[1]
+    out: dict[str, torch.Tensor] = {}
+
+    def put(key: str, sel: slice | torch.Tensor, value: torch.Tensor) -> None:
+        if key not in out:
+            out[key] = batch.loss_mask.new_zeros(batch.loss_mask.shape)
+        out[key][sel, : value.shape[1]] = value
+
+    for sel in micro_batches(batch, train.micro_batch_size):
+        mb = batch.rows(sel)
         if need_old or value_model is not None:
             logp, _, values = policy_forward(
                 model, mb, temperature, top_p, value_model=value_model, options=scoring
             )
             if need_old:
-                parts["old_logprobs"].append(torch.nn.functional.pad(logp, (0, pad)))
+                put("old_logprobs", sel, logp)
             if values is not None:
-                parts["values"].append(torch.nn.functional.pad(values * mb.loss_mask, (0, pad)))
+                put("values", sel, values * mb.loss_mask)
         if ref_model is not None:
             ref, _ = token_logprobs(
                 ref_model, mb, temperature, top_p, options=scoring, score_mask=mb.loss_mask
             )
-            parts["ref_logprobs"].append(torch.nn.functional.pad(ref, (0, pad)))
+            put("ref_logprobs", sel, ref)
     model.train(was_training)
-    for key, chunks in parts.items():
-        if chunks:
-            batch.extras[key] = torch.cat(chunks) * batch.loss_mask
+    for key, value in out.items():
+        batch.extras[key] = value * batch.loss_mask
 
 
 def _rollout_gap(batch: TokenBatch) -> dict[str, float]:
@@ -450,9 +453,9 @@ def _optimizer_step(
             mini = batch.rows(mini_idx)
     tally.scored_tokens += mini.num_tokens if n_rows else 0
     adv_mini = advantages[mini_idx] if advantages.dim() == 1 else None
-    for sl in _micro_slices(n_rows, run.train.micro_batch_size):
-        mb = mini.rows(sl)
-        adv = adv_mini[sl].unsqueeze(-1) if adv_mini is not None else mb.extras["advantages"]
+    for sel in micro_batches(mini, run.train.micro_batch_size) if n_rows else []:
+        mb = mini.rows(sel)
+        adv = adv_mini[sel].unsqueeze(-1) if adv_mini is not None else mb.extras["advantages"]
         _micro_step(run, tally, mb, adv, counts)
     if n_rows == 0:  # every row skipped: the zero gradient AdamW would have seen
         for p in run.model.parameters():
