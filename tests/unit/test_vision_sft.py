@@ -342,6 +342,36 @@ def test_tiny_vlm_patch_size_keeps_the_language_models_draw(kind, tmp_path):
         load_config(None, ["model.tiny_vlm.patch_size=7"])
 
 
+def test_tiny_vlm_tower_width_and_position_grid(tmp_path):
+    """model.tiny_vlm.vision_hidden_size widens the tower, position_grid sizes the tiny
+    Qwen3-VL's learned position grid; a grid the size of the image's patch grid gives every
+    patch its own embedding (the interpolation is the identity). The language model keeps its
+    draw, and the wider model generates and trains on a visual-maze turn."""
+    from safetensors.torch import load_file
+
+    from gyre.models.vision_build import LMSize, create_tiny_vlm
+
+    own = create_tiny_vlm("qwen3_vl", tmp_path / "own", 3, LMSize())
+    wide = create_tiny_vlm("qwen3_vl", tmp_path / "w", 3, LMSize(vision_hidden_size=64,
+                                                                 position_grid=10))  # fmt: skip
+    a, b = load_file(own / "model.safetensors"), load_file(wide / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a if "visual" not in k)
+    pos = next(k for k in b if k.endswith("visual.pos_embed.weight"))
+    assert a[pos].shape == (64, 32) and b[pos].shape == (100, 64)
+    model, _ = load_vlm(wide, torch.device("cpu"))
+    visual = model.model.visual
+    pixels = torch.zeros(100, 3 * 2 * 16 * 16)  # a 160 x 160 image of 16-px patches
+    seen: list[torch.Tensor] = []
+    hook = visual.pos_embed.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    with torch.no_grad():
+        visual(pixels, grid_thw=torch.tensor([[1, 10, 10]]))
+    hook.remove()
+    picked = seen[0].reshape(-1, seen[0].shape[-1])  # (100 patches, bilinear corners)
+    assert len({int(i) for i in picked[:, 0]}) == 100  # each patch its own embedding
+    with pytest.raises(ValueError, match=r"vision_hidden_size"):
+        create_tiny_vlm("idefics3", tmp_path / "i", 0, LMSize(vision_hidden_size=64))
+
+
 def test_vlm_micro_batches_pad_to_their_own_rows_and_sum_to_the_whole(tmp_path):
     """A VLM batch is cut shortest rows first: each micro-batch pads only to its own longest
     row, and the SFT gradient and the recomputed old log-probs equal one whole-batch forward's."""

@@ -86,6 +86,22 @@ class TinyVlmConfig(_Section):
         "into one image token); 0: the kind's own (qwen2_5_vl 8, qwen3_vl 16). With qwen3_vl, "
         "8 and env.visual_maze.cell_px=16 make one image token per maze cell.",
     )
+    vision_hidden_size: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Tiny Qwen-VL: the vision tower's width (its MLP twice that, a head per "
+        "32); 0: the built-in 32.",
+    )
+    position_grid: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Tiny Qwen3-VL: side of the tower's learned position-embedding grid, "
+        "interpolated to each image's patch grid; 0: the built-in 8. A grid the size of the "
+        "images' patch grid gives each patch its own embedding (160-px images, 16-px "
+        "patches: 10).",
+    )
 
     @model_validator(mode="after")
     def _check_heads(self) -> TinyVlmConfig:

@@ -68,6 +68,13 @@ class LMSize:
     num_kv_heads: int = 2
     intermediate_size: int = 128
     patch_size: int = 0  # the vision tower's patch; 0: the kind's own (Qwen2.5-VL 8, Qwen3-VL 16)
+    vision_hidden_size: int = 0  # the tower's width (its MLP 2x); 0: the built-in 32
+    position_grid: int = 0  # Qwen3-VL: side of the tower's learned position grid; 0: 8
+
+    def tower(self) -> dict[str, Any]:
+        """The vision tower's width, heads and MLP (``vision_hidden_size``; default 32)."""
+        width = self.vision_hidden_size or 32
+        return dict(hidden_size=width, intermediate_size=2 * width, num_heads=max(2, width // 32))
 
     def text_config(self) -> dict[str, Any]:
         return dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -146,7 +153,7 @@ def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFa
             eos_token_id=tok.eos_token_id,
         ),
         vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=patch,
+            depth=2, **lm.tower(), patch_size=patch,
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=lm.hidden_size,
             window_size=4 * patch,
             fullatt_block_indexes=[1],
@@ -180,9 +187,9 @@ def _qwen3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerF
             tie_word_embeddings=True,
         ),
         vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=patch,
+            depth=2, **lm.tower(), patch_size=patch,
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=lm.hidden_size,
-            num_position_embeddings=64, deepstack_visual_indexes=[0],
+            num_position_embeddings=(lm.position_grid or 8) ** 2, deepstack_visual_indexes=[0],
         ),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
@@ -195,8 +202,9 @@ def _qwen3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerF
 
 
 def _idefics3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, Any]:
-    if lm.patch_size:
-        raise ValueError("model.tiny_vlm.patch_size applies to the Qwen-VL kinds, not idefics3")
+    for key in ("patch_size", "vision_hidden_size", "position_grid"):
+        if getattr(lm, key):
+            raise ValueError(f"model.tiny_vlm.{key} applies to the Qwen-VL kinds, not idefics3")
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
         Idefics3ImageProcessorPil,
