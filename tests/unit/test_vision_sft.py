@@ -395,6 +395,8 @@ def test_vlm_micro_batches_pad_to_their_own_rows_and_sum_to_the_whole(tmp_path):
     assert lengths[order].tolist() == sorted(lengths.tolist())
     for sel in sels:
         assert batch.rows(sel).input_ids.shape[1] == int(lengths[sel].max())
+        assert len(sel) == 1 or len(sel) * int(lengths[sel].max()) <= 4 * lengths.float().mean()
+    assert sum(len(s) * int(lengths[s].max()) for s in sels) < len(rows) * int(lengths.max())
 
     def grads(size: int) -> tuple[float, list[torch.Tensor]]:
         opt = torch.optim.SGD(model.parameters(), lr=0.0)

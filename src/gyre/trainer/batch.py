@@ -68,16 +68,26 @@ def micro_batches(batch: TokenBatch, size: int) -> list[slice | torch.Tensor]:
     """The row selections of gradient accumulation / no-grad scoring, ``size`` rows each.
 
     A text batch: consecutive slices (its scoring packs the padding away). A VLM batch is scored
-    right-padded through the Hugging Face forward, so its rows are taken shortest first: each
-    micro-batch pads only to its own longest row. Turn rows differ in length (an episode's first
-    turn carries the intro), and one long row padding a whole micro-batch cost about 2.4x the
-    real tokens on the visual maze. The sum over micro-batches is the same either way.
+    right-padded through the Hugging Face forward, so its rows are taken shortest first, and a
+    micro-batch also ends before its padded size (rows x longest row) would pass ``size`` rows
+    of the batch's mean length: each pads only to its own longest row, and a few long rows do
+    not pad many short ones. Turn rows differ in length (an episode's first turn carries the
+    intro): on the visual maze, consecutive slices padded a batch to about 2.4x its real tokens.
+    The sum over micro-batches is the same either way.
     """
     n = batch.input_ids.shape[0]
     if batch.images is None:
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-    order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True).to("cpu")
-    return [order[i : i + size] for i in range(0, n, size)]
+    lengths = batch.attention_mask.sum(dim=1).to("cpu")
+    order = torch.argsort(lengths, stable=True)
+    volume = size * float(lengths.float().mean())
+    cuts, start = [], 0
+    for i in range(1, n + 1):
+        rows = i - start
+        if i == n or rows == size or (rows + 1) * int(lengths[order[i]]) > volume:
+            cuts.append(order[start:i])
+            start = i
+    return cuts
 
 
 def collate(
