@@ -270,7 +270,7 @@ def test_the_visual_maze_example_keeps_the_text_mazes_rules():
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "examples" / "visual-maze" / "config.yaml")
     text = load_config(root / "examples" / "maze" / "config.yaml")
-    assert cfg.env.name == "visual_maze" and cfg.model.kind == "qwen2_5_vl" and cfg.sft.steps > 0
+    assert cfg.env.name == "visual_maze" and cfg.model.kind == "qwen3_vl" and cfg.sft.steps > 0
     rules = ("size", "wall_density", "min_distance", "budget_factor")
     assert all(getattr(cfg.env.maze, k) == getattr(text.env.maze, k) for k in rules)
     assert cfg.eval.episodes >= 200  # the before/after table on held-out mazes
