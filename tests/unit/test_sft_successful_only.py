@@ -48,3 +48,40 @@ def test_maze_demonstrations_are_all_successes_and_cached_apart(tmp_path):
     # the successes of the unfiltered stream are the filtered stream's first ones, in order
     firsts = [t.token_ids for t in every if t.success]
     assert [t.token_ids for t in good[: len(firsts)]] == firsts
+
+
+def test_a_stop_signal_ends_the_demonstrations_and_caches_nothing(tmp_path):
+    """SIGTERM / SIGINT while the SFT demonstrations are played (minutes on image envs) stops
+    at the next one: nothing is cached, and a later call plays them all."""
+    from gyre.trainer.warmstart import DemosStopped
+
+    tok = build_char_tokenizer()
+    cfg = load_config(None, ["sft.demos=30", f"run.dir={tmp_path}"])
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 5
+
+    with pytest.raises(DemosStopped, match="after 5 of the SFT demonstrations"):
+        demonstrations(cfg, tmp_path, tok, stop)
+    assert not (tmp_path / "sft_demos.pt").exists()
+    assert len(demonstrations(cfg, tmp_path, tok, lambda: False)) == 30
+    with pytest.raises(DemosStopped):
+        _demos(lambda k: _traj(k, True), 4, successful_only=True, stop=lambda: True)
+
+
+def test_run_sft_stopped_while_playing_demonstrations_is_a_preemption(tmp_path):
+    """The warm start turns that stop into Preempted (the CLI's exit code 75) before any SFT
+    step, naming no checkpoint; run.resume=auto then starts over."""
+    from gyre import loop
+    from gyre.checkpoint.resume import Preempted, StopGuard
+    from gyre.trainer.warmstart import run_sft
+
+    cfg = load_config(None, ["sft.demos=30", "sft.steps=2", f"run.dir={tmp_path}"])
+    run_dir, device = loop.setup(cfg)
+    guard = StopGuard()
+    guard.signame = "SIGTERM"  # as its handler sets it
+    with pytest.raises(Preempted, match="during sft demonstrations .* checkpoint none yet"):
+        run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir), guard=guard)
+    assert not (run_dir / "sft").exists() and not (run_dir / "sft_demos.pt").exists()

@@ -18,6 +18,7 @@ import torch
 
 from gyre.checkpoint.resume import (
     Checkpointer,
+    Preempted,
     ResumePlan,
     StopGuard,
     TaskCursor,
@@ -47,12 +48,16 @@ from gyre.trainer.stepwise import expand_steps
 from gyre.types import Trajectory
 
 
-def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajectory]:
+def demonstrations(
+    cfg: Config, run_dir: Path, tokenizer: Any, stop: Callable[[], bool] | None = None
+) -> list[Trajectory]:
     """``sft.demos`` noisy-expert episodes on the SFT task stream, cached in ``sft_demos.pt``
     under a key of everything they depend on (rebuilt when any of it changes). Every answer
     ends with the token the rollout stops at (:attr:`gyre.rollout.stops.Stops.terminator`).
     A message-mode env's demonstrations are rendered with the chat template (and a VLM's image
-    side) exactly as its rollout renders them (:func:`gyre.rollout.episodes.demonstrate`)."""
+    side) exactly as its rollout renders them (:func:`gyre.rollout.episodes.demonstrate`).
+    ``stop``: asked before each demonstration; when it says so, :class:`DemosStopped` is raised
+    and nothing is cached (image envs take minutes to play thousands)."""
     make_env, chat, toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
     if toolbox is not None:
         toolbox.close()
@@ -85,7 +90,7 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
                 make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng,
                 terminator=terminator, chat=chat, window=window_of(cfg.rollout),
             ),
-            cfg.sft.demos, cfg.sft.successful_only,
+            cfg.sft.demos, cfg.sft.successful_only, stop,
         )),
     )  # fmt: skip
     return _unpack_images(demos)
@@ -94,14 +99,29 @@ def demonstrations(cfg: Config, run_dir: Path, tokenizer: Any) -> list[Trajector
 MAX_TRIES_PER_DEMO = 20  # sft.successful_only: tries per kept demonstration before giving up
 
 
-def _demos(play: Callable[[int], Trajectory], n: int, successful_only: bool) -> list[Trajectory]:
+class DemosStopped(Exception):
+    """A stop signal arrived while the SFT demonstrations were being played."""
+
+
+def _demos(
+    play: Callable[[int], Trajectory],
+    n: int,
+    successful_only: bool,
+    stop: Callable[[], bool] | None = None,
+) -> list[Trajectory]:
     """Demonstrations 0, 1, .. of the SFT stream: the first ``n``, or with ``successful_only``
     the first ``n`` that succeed (at most ``MAX_TRIES_PER_DEMO`` x ``n`` played)."""
+
+    def one(k: int) -> Trajectory:
+        if stop is not None and stop():
+            raise DemosStopped(f"stopped after {k} of the SFT demonstrations")
+        return play(k)
+
     if not successful_only:
-        return [play(k) for k in range(n)]
+        return [one(k) for k in range(n)]
     kept: list[Trajectory] = []
     for k in range(MAX_TRIES_PER_DEMO * n):
-        demo = play(k)
+        demo = one(k)
         if demo.success:
             kept.append(demo)
             if len(kept) == n:
@@ -181,7 +201,13 @@ def run_sft(
     model, tokenizer = load_pretrained(resume.ckpt / "model" if resuming else base, device)
     if cfg.model.freeze_vision:
         freeze_vision(model)  # a VLM's tower and projector, as in GRPO (nothing for text models)
-    demos = demonstrations(cfg, run_dir, tokenizer)
+    try:
+        stop = (lambda: guard.requested) if guard is not None else None
+        demos = demonstrations(cfg, run_dir, tokenizer, stop)
+    except DemosStopped as exc:  # nothing trained in this process: the last checkpoint stands
+        assert guard is not None
+        where = str(resume.ckpt) if resuming and resume is not None else "none yet"
+        raise Preempted(guard.signame or "signal", "sft demonstrations", 0, where) from exc
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.sft.lr, weight_decay=0.0)
     sft = cfg.sft
