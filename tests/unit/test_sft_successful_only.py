@@ -82,6 +82,6 @@ def test_run_sft_stopped_while_playing_demonstrations_is_a_preemption(tmp_path):
     run_dir, device = loop.setup(cfg)
     guard = StopGuard()
     guard.signame = "SIGTERM"  # as its handler sets it
-    with pytest.raises(Preempted, match="during sft demonstrations .* checkpoint none yet"):
+    with pytest.raises(Preempted, match=r"during sft demonstrations .* checkpoint none yet"):
         run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir), guard=guard)
     assert not (run_dir / "sft").exists() and not (run_dir / "sft_demos.pt").exists()
