@@ -90,8 +90,8 @@ class TinyVlmConfig(_Section):
         0,
         ge=0,
         le=1024,
-        description="Tiny Qwen-VL: the vision tower's width (its MLP twice that, a head per "
-        "32); 0: the built-in 32.",
+        description="Tiny Qwen-VL: the vision tower's width (its MLP twice that; heads: "
+        "max(2, width / 32)); 0: the built-in 32.",
     )
     position_grid: int = Field(
         0,
