@@ -25,7 +25,7 @@ import gyre.trainer.sft as sft
 from gyre.config import load_config
 from gyre.models.vision import load_vlm, vision_of
 from gyre.models.vision_build import LMSize, create_tiny_vlm
-from gyre.trainer.batch import TokenBatch, collate, micro_batches
+from gyre.trainer.batch import TokenBatch, collate, consecutive_slices, micro_batches
 from gyre.trainer.warmstart import demonstrations, expand_steps
 
 DESCRIBE = [
@@ -37,8 +37,7 @@ DESCRIBE = [
 
 
 def consecutive(batch: TokenBatch, size: int) -> list[slice]:
-    n = batch.input_ids.shape[0]
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    return consecutive_slices(batch.input_ids.shape[0], size)
 
 
 def main() -> None:

@@ -64,6 +64,11 @@ class TokenBatch:
         )
 
 
+def consecutive_slices(n: int, size: int) -> list[slice]:
+    """Rows 0..n-1 cut into consecutive slices of ``size``."""
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
 def micro_batches(batch: TokenBatch, size: int) -> list[slice | torch.Tensor]:
     """The row selections of gradient accumulation / no-grad scoring, ``size`` rows each.
 
@@ -77,7 +82,7 @@ def micro_batches(batch: TokenBatch, size: int) -> list[slice | torch.Tensor]:
     """
     n = batch.input_ids.shape[0]
     if batch.images is None:
-        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+        return list(consecutive_slices(n, size))
     lengths = batch.attention_mask.sum(dim=1).to("cpu")
     order = torch.argsort(lengths, stable=True)
     volume = size * float(lengths.float().mean())

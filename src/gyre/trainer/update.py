@@ -52,7 +52,7 @@ from gyre.algos import (
 from gyre.algos.advantages import NEEDS_TURNS
 from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
-from gyre.trainer.batch import TokenBatch, micro_batches, token_logprobs
+from gyre.trainer.batch import TokenBatch, consecutive_slices, micro_batches, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
 from gyre.trainer.loss import micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
@@ -62,16 +62,12 @@ OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 
 
 # -- what the config implies ---------------------------------------------------------------------
-def _micro_slices(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 def _mini_slices(n: int, train: TrainConfig) -> list[slice]:
     """The optimizer steps of one epoch over ``n`` rows: ``algo.mini_batch_size`` rows each, or
     ``mini_batches`` equal parts when that is 0."""
     rows = train.algo.mini_batch_size
     size = rows if rows > 0 else -(-n // train.mini_batches)
-    return _micro_slices(n, size)
+    return consecutive_slices(n, size)
 
 
 def updates_per_batch(train: TrainConfig, batch_rows: int) -> int:
