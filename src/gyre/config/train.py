@@ -62,6 +62,15 @@ class SFTConfig(_Section):
         description="Keep only demonstrations that succeed (filtered behaviour cloning): the SFT "
         "task stream goes on until sft.demos successes (docs/algorithms.md).",
     )
+    validation_demos: int = Field(
+        0,
+        ge=0,
+        description="Held-out demonstrations (noise 0, on the validation seeds) scored "
+        "teacher-forced during SFT: sft/val_loss, val_token_acc, val_exact; 0: none.",
+    )
+    validation_every: int = Field(
+        0, ge=0, description="Score them every N SFT steps and after the last; 0: after the last."
+    )
 
 
 class AlgoConfig(_Section):

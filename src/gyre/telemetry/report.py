@@ -230,10 +230,15 @@ def plot_sft(data: RunData) -> str | None:
         return None
     fig = _figure(7.0, 2.6)
     ax = fig.add_subplot()
-    ax.plot(xs, ys, label="SFT loss")
-    _lines(ax.twinx(), data.sft, [("sft/token_acc", "token accuracy")], color="tab:green")
+    handles = ax.plot(xs, ys, label="SFT loss")
+    handles += _lines(ax, data.sft, [("sft/val_loss", "held-out loss")], color="tab:red")
+    right = ax.twinx()
+    handles += _lines(right, data.sft, [("sft/token_acc", "token accuracy")], color="tab:green")
+    handles += _lines(right, data.sft, [("sft/val_exact", "held-out replies exact")], ls="--")
     ax.set(title="SFT warm start", xlabel="SFT step", ylabel="loss")
     ax.grid(alpha=0.3)
+    if len(handles) > 2:  # the validation curves (sft.validation_demos) need a legend
+        ax.legend(handles=handles, fontsize=8)
     return _png(fig)
 
 

@@ -75,6 +75,8 @@ HEADLINE = (
     ("train/loss", "loss", "{:.4f}"),
     ("sft/loss", "sft loss", "{:.4f}"),
     ("sft/token_acc", "token acc", "{:.3f}"),
+    ("sft/val_loss", "val loss", "{:.4f}"),
+    ("sft/val_exact", "val exact", "{:.3f}"),
 )
 
 

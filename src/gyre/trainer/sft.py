@@ -13,10 +13,11 @@ from gyre.trainer.batch import TokenBatch, micro_batches, token_logprobs
 from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.update import finite_step
 
-__all__ = ["sft_step"]
+__all__ = ["sft_step", "sft_validate"]
 
 
 PLAIN = ScoringOptions(pack=False, chunk=0)
+HALF = -0.6931  # log(0.5): a target token "known" gets more than half the probability
 
 
 def sft_step(
@@ -47,7 +48,7 @@ def sft_step(
         loss.backward()
         total += float(loss.detach()) * step_tokens
         # token_acc: the share of target tokens the model gives more than half its probability
-        correct += float(masked_token_sum((logp.detach() > -0.6931).float(), mb.loss_mask))
+        correct += float(masked_token_sum((logp.detach() > HALF).float(), mb.loss_mask))
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
     stepped = finite_step(optimizer, grad_norm, total)
     model.eval()
@@ -56,4 +57,35 @@ def sft_step(
         "sft/token_acc": correct / step_tokens,
         "sft/grad_norm": grad_norm,
         "sft/nonfinite_skipped": float(not stepped),
+    }
+
+
+@torch.no_grad()
+def sft_validate(
+    model: torch.nn.Module, batch: TokenBatch, micro_batch_size: int
+) -> dict[str, float]:
+    """Teacher-forced scores of held-out demonstrations (``sft.validation_demos``), no update.
+
+    ``sft/val_loss`` and ``sft/val_token_acc`` are :func:`sft_step`'s loss and token accuracy;
+    ``sft/val_exact`` is the share of rows (turns under ``rollout.history_turns``, else whole
+    episodes) whose every target token gets more than half the probability, so that greedy
+    decoding would write the demonstrator's reply given its context.
+    """
+    model.eval()
+    tokens = max(batch.num_tokens, 1)
+    total, correct, exact, rows = 0.0, 0.0, 0, 0
+    for sel in micro_batches(batch, micro_batch_size):
+        mb = batch.rows(sel)
+        score = mb.loss_mask if mb.images is not None else None
+        logp, _ = token_logprobs(model, mb, options=PLAIN, score_mask=score)
+        total -= float(masked_token_sum(logp, mb.loss_mask))
+        known = (logp > HALF).float() * mb.loss_mask
+        correct += float(known.sum())
+        has_target = mb.loss_mask.sum(dim=1) > 0
+        exact += int(((known.sum(dim=1) == mb.loss_mask.sum(dim=1)) & has_target).sum())
+        rows += int(has_target.sum())
+    return {
+        "sft/val_loss": total / tokens,
+        "sft/val_token_acc": correct / tokens,
+        "sft/val_exact": exact / max(rows, 1),
     }

@@ -37,13 +37,13 @@ from gyre.models.build import load_pretrained
 from gyre.models.vision import freeze_vision, vision_of
 from gyre.rollout.core import STREAM_SFT, run_stops
 from gyre.rollout.episodes import demonstrate
-from gyre.rollout.evaluate import train_seed
+from gyre.rollout.evaluate import train_seed, validation_seeds
 from gyre.rollout.tools import message_mode
 from gyre.rollout.window import window_of
 from gyre.telemetry import ConsoleSink, JsonlSink, MetricsSink, MultiSink
-from gyre.trainer.batch import collate
+from gyre.trainer.batch import TokenBatch, collate
 from gyre.trainer.schedule import build_scheduler
-from gyre.trainer.sft import sft_step
+from gyre.trainer.sft import sft_step, sft_validate
 from gyre.trainer.stepwise import expand_steps
 from gyre.types import Trajectory
 
@@ -58,42 +58,61 @@ def demonstrations(
     side) exactly as its rollout renders them (:func:`gyre.rollout.episodes.demonstrate`).
     ``stop``: asked before each demonstration; when it says so, :class:`DemosStopped` is raised
     and nothing is cached (image envs take minutes to play thousands)."""
-    make_env, chat, toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
-    if toolbox is not None:
-        toolbox.close()
-        raise ValueError(
-            "rollout.tools: gyre's demonstrators do not call tools, so SFT cannot warm-start "
-            f"a tool run: set sft.steps=0 (it is {cfg.sft.steps})"
-        )
-    if not isinstance(make_env(), Demonstrator):
-        raise ValueError(
-            f"env.name={cfg.env.name!r} has no demonstrator (expert_action / random_action), so "
-            f"SFT cannot warm-start on it: set sft.steps=0 (it is {cfg.sft.steps})"
-        )
-    terminator = run_stops(cfg, tokenizer, chat).terminator
+    play, vision = _Player(cfg, tokenizer), vision_of(tokenizer)
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
     key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
            "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab(),
            "successful_only": cfg.sft.successful_only,
-           "terminator": list(terminator)}  # fmt: skip
+           "terminator": list(play.terminator)}  # fmt: skip
     if cfg.rollout.history_turns is not None:  # each demonstration's turn samples
         key["window"] = [cfg.rollout.history_turns, cfg.rollout.keep_opening]
-    if chat is not None:  # the rendering depends on the template, the limits, the image side
-        vision = vision_of(tokenizer)
+    if play.chat is not None:  # the rendering depends on the template, the limits, the image side
         key["chat"] = {"template": tokenizer.chat_template, "rollout": cfg.rollout.model_dump(),
                        "images": vision.image_processor.to_dict() if vision else None}  # fmt: skip
     demos = cached(
         run_dir / "sft_demos.pt",
         key,
         lambda: _pack_images(_demos(
-            lambda k: demonstrate(
-                make_env, tokenizer, train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng,
-                terminator=terminator, chat=chat, window=window_of(cfg.rollout),
-            ),
+            lambda k: play(train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng),
             cfg.sft.demos, cfg.sft.successful_only, stop,
         )),
     )  # fmt: skip
     return _unpack_images(demos)
+
+
+class _Player:
+    """Plays one demonstration of the run's env, tokenised as its rollout would be."""
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        self.make_env, self.chat, toolbox = message_mode(cfg, tokenizer, env_factory(cfg.env))
+        if toolbox is not None:
+            toolbox.close()
+            raise ValueError(
+                "rollout.tools: gyre's demonstrators do not call tools, so SFT cannot warm-start "
+                f"a tool run: set sft.steps=0 (it is {cfg.sft.steps})"
+            )
+        if not isinstance(self.make_env(), Demonstrator):
+            raise ValueError(
+                f"env.name={cfg.env.name!r} has no demonstrator (expert_action / random_action), "
+                f"so SFT cannot warm-start on it: set sft.steps=0 (it is {cfg.sft.steps})"
+            )
+        self.tokenizer = tokenizer
+        self.terminator = run_stops(cfg, tokenizer, self.chat).terminator
+        self.window = window_of(cfg.rollout)
+
+    def __call__(self, seed: int, noise: float, rng: np.random.Generator) -> Trajectory:
+        return demonstrate(
+            self.make_env, self.tokenizer, seed, noise, rng,
+            terminator=self.terminator, chat=self.chat, window=self.window,
+        )  # fmt: skip
+
+
+def validation_demos(cfg: Config, tokenizer: Any) -> list[Trajectory]:
+    """``sft.validation_demos`` demonstrations without noise on the validation seeds (never
+    trained on, never the held-out evaluation's), for :func:`gyre.trainer.sft.sft_validate`."""
+    play = _Player(cfg, tokenizer)
+    rng = np.random.default_rng([cfg.run.seed, STREAM_SFT, 2])  # unused without noise
+    return [play(seed, 0.0, rng) for seed in validation_seeds(cfg.sft.validation_demos)]
 
 
 MAX_TRIES_PER_DEMO = 20  # sft.successful_only: tries per kept demonstration before giving up
@@ -208,6 +227,7 @@ def run_sft(
         assert guard is not None
         where = str(resume.ckpt) if resuming and resume is not None else "none yet"
         raise Preempted(guard.signame or "signal", "sft demonstrations", 0, where) from exc
+    val = _validation_batch(cfg, tokenizer, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.sft.lr, weight_decay=0.0)
     sft = cfg.sft
@@ -242,6 +262,8 @@ def run_sft(
             )
             sched.step()
             streak = streak + 1 if metrics["sft/nonfinite_skipped"] else 0
+            if val is not None and _validate_now(cfg, step):
+                metrics.update(sft_validate(model, val, cfg.train.micro_batch_size))
             sink.log(step, {**metrics, "sft/lr": lr})
             check_nonfinite(cfg, streak, "SFT", step)
             check_parameters_finite(model, "SFT", step)
@@ -255,3 +277,15 @@ def run_sft(
     write_model_dir(out_dir, model, tokenizer, trained_on(cfg))
     ckpt.drop_sft()
     return out_dir
+
+
+def _validation_batch(cfg: Config, tokenizer: Any, device: torch.device) -> TokenBatch | None:
+    if not cfg.sft.validation_demos:
+        return None
+    rows, _ = expand_steps(validation_demos(cfg, tokenizer))
+    return collate(rows, tokenizer.pad_token_id, device, vision_of(tokenizer))
+
+
+def _validate_now(cfg: Config, step: int) -> bool:
+    every = cfg.sft.validation_every
+    return step == cfg.sft.steps or (every > 0 and step % every == 0)
