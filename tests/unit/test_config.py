@@ -188,3 +188,19 @@ def test_maze_long_differs_from_the_default_only_in_budget_and_selection():
     assert long.train.steps > default.train.steps
     assert long.train.model_copy(update={"steps": default.train.steps}) == default.train
     assert long.eval.select == "val" and long.eval.validation_episodes > 0
+
+
+def test_null_on_the_command_line_clears_any_nullable_key():
+    """``key=null`` (or ``~``) sets a nullable key to null, as in YAML; a key that cannot be null
+    still names itself in a one-line error, and a string key keeps other words as text."""
+    lora = load_config(None, ["model.lora.rank=4"])
+    assert lora.model.lora is not None and lora.model.lora.rank == 4
+    cfg = load_config(None, [
+        "train.algo.clip_eps_high=0.28", "train.algo.clip_eps_high=null", "train.algo.gamma=~",
+        "rollout.history_turns=null",
+    ])  # fmt: skip
+    assert cfg.train.algo.clip_eps_high is None and cfg.train.algo.gamma is None
+    assert cfg.rollout.history_turns is None
+    with pytest.raises(ConfigError, match=r"^bad value for 'train.steps': 'null'"):
+        load_config(None, ["train.steps=null"])
+    assert load_config(None, ["run.dir=none"]).run.dir == "none"
