@@ -105,6 +105,18 @@ def test_gyre_train_visual_maze_sft_then_grpo(tmp_path, window):
     assert len(steps) == 2 and all(r["train/rollout_logprob_gap"] < 1e-4 for r in steps)
     assert (run_dir / "sft" / "preprocessor_config.json").is_file()
     _check_frozen_tower(run_dir, run_dir / "init")
+    # `gyre eval` of the VLM folder (its env and rollout from gyre_env.json) plays the held-out
+    # mazes as the run's last evaluation did: the same greedy episodes
+    from gyre.cli import main
+
+    ev = tmp_path / "ev"
+    args = ["eval", f"model.path={run_dir / 'final'}", f"run.dir={ev}", "eval.episodes=2",
+            "log.console=off", "run.threads=1", "train.sampling.max_new_tokens=2"]  # fmt: skip
+    assert main(args) == 0
+    got = json.loads((ev / "eval.json").read_text())
+    after = json.loads((run_dir / "summary.json").read_text())["after"]
+    for key in ("eval/success_greedy", "eval/moves_greedy", "eval/bump_frac_greedy"):
+        assert got[key] == after[key], key
 
 
 @pytest.mark.slow
