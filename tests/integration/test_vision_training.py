@@ -137,3 +137,32 @@ def test_sft_on_images_learns_to_read_the_pixels(tmp_path):
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = next(r["eval/success_greedy"] for r in evals if "eval/success_greedy" in r)
     assert first >= 0.9  # step 0: the SFT checkpoint, before any GRPO
+
+
+def test_visual_maze_probe_script_reads_a_describe_run(tmp_path):
+    """scripts/visual_maze_probe.py on a 2-step SFT of the describe reply: every turn scored,
+    every failed episode counted once, the fields' shares bounded by the whole line's."""
+    import importlib.util
+    from pathlib import Path
+
+    from gyre.cli import main
+
+    run = tmp_path / "run"
+    args = ["sft", "model.kind=qwen3_vl", "env.name=visual_maze", "env.visual_maze.describe=true",
+            "env.maze.observation=compass", "env.maze.view=1", "env.visual_maze.cell_px=16",
+            "env.visual_maze.pad_to=32", "rollout.history_turns=0", "sft.steps=2",
+            "sft.demos=4", "sft.batch_size=2", "train.sampling.max_new_tokens=16",
+            "log.console=off", "run.threads=1", f"run.dir={run}"]  # fmt: skip
+    assert main(args) == 0
+    script = Path(__file__).resolve().parents[2] / "scripts" / "visual_maze_probe.py"
+    spec = importlib.util.spec_from_file_location("visual_maze_probe", script)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.probe(run, "sft", episodes=3)
+    assert out["episodes"] == 3 and out["turns"] >= 3
+    shares = out["turn shares"]
+    assert all(0.0 <= v <= 1.0 for v in shares.values())
+    assert shares["description exact"] <= min(shares[k] for k in ("up", "goal offset"))
+    failed = round(3 * (1 - out["success"]))
+    assert sum(out["failures by first move not the teacher's"].values()) == failed
