@@ -29,7 +29,6 @@ from gyre.rollout.episodes import run_episodes
 from gyre.rollout.evaluate import eval_seeds
 from gyre.types import SamplingParams
 
-
 FIELDS = ("up", "down", "left", "right", "goal offset")
 
 
