@@ -274,6 +274,13 @@ def test_the_visual_maze_example_keeps_the_text_mazes_rules():
     rules = ("size", "wall_density", "min_distance", "budget_factor")
     assert all(getattr(cfg.env.maze, k) == getattr(text.env.maze, k) for k in rules)
     assert cfg.eval.episodes >= 200  # the before/after table on held-out mazes
+    # its image tokens are aligned on the agent: the 3x3 cells around it are one token's
+    # pixels (2x2 merged patches), the picture a whole number of tokens
+    token, cell = 2 * cfg.model.tiny_vlm.patch_size, cfg.env.visual_maze.cell_px
+    radius = cfg.env.maze.size - 1  # view=agent: the (2r+1)-cell square centred on the agent
+    assert cfg.env.visual_maze.view == "agent"
+    assert (radius - 1) * cell // token == ((radius + 2) * cell - 1) // token
+    assert (2 * radius + 1) * cell % token == 0 and token % cfg.env.visual_maze.pad_to == 0
 
 
 @pytest.mark.parametrize("image_last", [False, True])
