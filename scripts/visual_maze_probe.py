@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 from gyre.config import load_config
-from gyre.engines import TorchEngine
+from gyre.engines.factory import run_torch_engine
 from gyre.models.build import load_pretrained
-from gyre.models.vision import vision_of
 from gyre.rollout import Rollout
 from gyre.rollout.core import run_stops
 from gyre.rollout.episodes import run_episodes
@@ -42,7 +41,7 @@ def probe(run_dir: Path, model_dir: str = "final", episodes: int = 100) -> dict[
     if not cfg.env.visual_maze.describe:
         raise SystemExit("this probe reads the description: the run needs describe: true")
     model, tok = load_pretrained(run_dir / model_dir, torch.device("cpu"))
-    engine = TorchEngine(model, tok.pad_token_id, 0, vision=vision_of(tok))
+    engine = run_torch_engine(cfg, model, tok)
     ro = Rollout(cfg, engine, tok)
     stops = run_stops(cfg, tok, ro.chat)
     params = SamplingParams(

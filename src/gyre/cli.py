@@ -277,17 +277,12 @@ def _eval(cfg: Config, console: Any) -> int:
 
     check_manifest(Path(cfg.model.path))  # a gyre-written folder must match its manifest
     run_dir, device = loop.setup(cfg)
-    from gyre.engines import TorchEngine
-    from gyre.engines.factory import torch_engine_options
+    from gyre.engines.factory import run_torch_engine
     from gyre.models.build import load_pretrained
-    from gyre.models.vision import vision_of
     from gyre.rollout import Rollout
 
     model, tok = load_pretrained(Path(cfg.model.path), device)
-    engine = TorchEngine(
-        model, tok.pad_token_id, cfg.run.seed, vision=vision_of(tok),
-        **torch_engine_options(cfg.perf),
-    )  # fmt: skip
+    engine = run_torch_engine(cfg, model, tok)
     res = Rollout(cfg, engine, tok).evaluate()
     (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
     console.print(_table([(cfg.model.path, res)]))

@@ -28,6 +28,16 @@ def torch_engine_options(perf: PerfConfig) -> dict[str, Any]:
     }
 
 
+def run_torch_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
+    """The in-process engine of a run on ``model`` as given: the run's seed, its ``perf:``
+    options and the tokenizer's image side (None for text models). Every in-process engine of a
+    run is built here: the loop's, the Ray rollout workers', ``gyre eval``'s."""
+    return TorchEngine(
+        model, tokenizer.pad_token_id, seed=cfg.run.seed, vision=vision_of(tokenizer),
+        **torch_engine_options(cfg.perf),
+    )  # fmt: skip
+
+
 def build_engine(
     cfg: Config, model: torch.nn.Module, tokenizer: Any, run_dir: Path
 ) -> tuple[Any, WeightSync]:
@@ -39,13 +49,8 @@ def build_engine(
     """
     e = cfg.engine
     if e.kind == "torch":
-        engine: Any = TorchEngine(
-            model if e.weight_sync == "shared" else copy.deepcopy(model),
-            tokenizer.pad_token_id,
-            seed=cfg.run.seed,
-            vision=vision_of(tokenizer),
-            **torch_engine_options(cfg.perf),
-        )
+        policy = model if e.weight_sync == "shared" else copy.deepcopy(model)
+        engine: Any = run_torch_engine(cfg, policy, tokenizer)
     else:
         from gyre.engines.http_engine import HttpEngine
 

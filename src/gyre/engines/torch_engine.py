@@ -25,7 +25,7 @@ What is saved, each measurable on its own (``bench/rollout.py --engine-flags``):
   buffer; other models (or ``lean_forward=False``) use the HF forward.
 
 Every switch is a constructor argument; a run sets them from its ``perf:`` config section
-(:func:`gyre.engines.factory.torch_engine_options`).
+(:func:`gyre.engines.factory.run_torch_engine`).
 
 Sampling is counter-based (:func:`gyre.models.sampling.sample_tokens_keyed`): token k of a
 request is

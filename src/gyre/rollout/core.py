@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from gyre.config import Config
-from gyre.engines.factory import build_engine, initial_sync, torch_engine_options
+from gyre.engines.factory import build_engine, initial_sync, run_torch_engine
 from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
 from gyre.rewards import build_rewarder
@@ -172,13 +172,7 @@ class Rollout:
         gets a copy (or, with ``engine.weight_sync=shared``, the very same parameters).
         """
         if owns_model and cfg.engine.kind == "torch":
-            from gyre.engines.torch_engine import TorchEngine
-            from gyre.models.vision import vision_of
-
-            engine: Any = TorchEngine(
-                model, tokenizer.pad_token_id, seed=cfg.run.seed, vision=vision_of(tokenizer),
-                **torch_engine_options(cfg.perf),
-            )  # fmt: skip
+            engine: Any = run_torch_engine(cfg, model, tokenizer)
             syncer = None
         else:
             engine, syncer = build_engine(cfg, model, tokenizer, run_dir)
