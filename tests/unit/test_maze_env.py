@@ -698,3 +698,51 @@ def test_evaluation_reports_the_mean_reward_beside_success(tokenizer):
     assert 0.0 < want < 1.0 and m["eval/reward_greedy"] == pytest.approx(want)
     demo = demonstrator_success(_PartialCreditEnv, 12)  # the table's reference line, too
     assert demo is not None and demo["eval/reward_greedy"] == pytest.approx(want)
+
+
+def test_mixed_teacher_draws_each_turns_demonstrator_with_its_probability():
+    """env.maze.demonstrator_mix: in the hand state where lookahead goes right and careful down
+    (the test above), demonstrator=lookahead with {careful: 0.3} says down on about 30 % of
+    draws, one rng draw a turn; an empty mix never touches the rng (old demonstrations stay
+    bit-identical); on 300 mazes the mixed teacher sits between its two rules."""
+    walls = _hand_walls()
+    env = MazeEnv(demonstrator="lookahead", demonstrator_mix={"careful": 0.3})
+    env.walls, env.goal, env.pos, env.visited = walls, (0, 4), (2, 2), {(2, 2), (2, 3)}
+    rng = np.random.default_rng(0)
+    moves = [env.expert_action(rng) for _ in range(4000)]
+    assert set(moves) == {"r", "d"}
+    assert moves.count("d") / 4000 == pytest.approx(0.3, abs=0.03)
+    u = np.random.default_rng(0).random(4000)  # the same draws, in order
+    assert moves == ["d" if x < 0.3 else "r" for x in u]
+    plain, rng = MazeEnv(demonstrator="lookahead"), np.random.default_rng(1)
+    plain.walls, plain.goal, plain.pos, plain.visited = walls, (0, 4), (2, 2), env.visited
+    plain.expert_action(rng)
+    assert rng.random() == np.random.default_rng(1).random()  # no draw without a mix
+
+    def wins(mix: dict[str, float] | None, demonstrator: str = "greedy") -> float:
+        rng, won = np.random.default_rng(0), 0
+        for seed in range(300):
+            e, done = MazeEnv(demonstrator=demonstrator, demonstrator_mix=mix), False
+            e.reset(seed)
+            while not done:
+                _, _, done, info = e.step(e.expert_action(rng))
+            won += info["success"]
+        return won / 300
+
+    greedy, mixed, careful = wins(None), wins({"careful": 0.35}), wins(None, "careful")
+    assert greedy + 0.1 < mixed < careful  # 500 held-out: 58.4, 80.8, 93.0 %
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("env.maze.demonstrator_mix={careful: 1.5}", "demonstrator_mix.careful=1.5"),
+        ("env.maze.demonstrator_mix={careful: 0.6, lookahead: 0.6}", "sums to more than 1"),
+        ("env.maze.demonstrator_mix={oracle: 0.5}", "bad key .oracle. in .env.maze.demonstrator_mix."),
+    ],
+)
+def test_a_bad_mixed_teacher_is_a_one_line_error(override, error):
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, [override])
+    with pytest.raises(ValueError, match="demonstrator_mix"):
+        MazeEnv(demonstrator_mix={"careful": 0.7, "greedy": 0.7})

@@ -100,6 +100,10 @@ def _describe(errors: ValidationError, tree: dict[str, Any]) -> str:
         if not loc:  # a cross-field check (e.g. the ray section); its message names the fields
             lines.append(err["msg"].removeprefix("Value error, "))
             continue
+        if loc[-1] == "[key]":  # a mapping's key, e.g. env.maze.demonstrator_mix's names
+            where = ".".join(loc[:-2])
+            lines.append(f"bad key {loc[-2]!r} in '{where}' ({err['msg']})")
+            continue
         key = ".".join(loc)
         node: Any = tree
         for p in loc:

@@ -198,6 +198,13 @@ class MazeConfig(_Section):
         "dead end (nothing open beyond it) only when every move is one; careful = lookahead, "
         "then an unvisited cell before a visited one.",
     )
+    demonstrator_mix: dict[Literal["shortest", "greedy", "lookahead", "careful"], float] = Field(
+        default_factory=dict,
+        description="A mixed teacher: each turn's move is drawn from these demonstrators with "
+        "these probabilities (summing to at most 1), the rest of the time `demonstrator`'s, e.g. "
+        "{careful: 0.35} with demonstrator=greedy. SFT on it learns both rules, the more likely "
+        "one as its greedy move; GRPO can then find which is worth more.",
+    )
     bump_feedback: bool = Field(
         False,
         description="After a move into a wall, the next view starts with '!' (the move was "
@@ -227,6 +234,13 @@ class MazeConfig(_Section):
 
     @model_validator(mode="after")
     def _check_reachable(self) -> MazeConfig:
+        for name, p in self.demonstrator_mix.items():
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"env.maze.demonstrator_mix.{name}={p} must lie in [0, 1]")
+        if sum(self.demonstrator_mix.values()) > 1.0 + 1e-9:
+            raise ValueError(
+                f"env.maze.demonstrator_mix={self.demonstrator_mix} sums to more than 1"
+            )
         far = 2 * (self.size - 1)
         if self.min_distance > far:
             raise ValueError(

@@ -65,6 +65,7 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
             demonstrator=m.demonstrator, bump_feedback=m.bump_feedback,
             closer_mark=m.closer_mark, offset_letters=m.offset_letters,
             noise_moves=m.noise_moves, exit_order=m.exit_order,
+            demonstrator_mix=m.demonstrator_mix,
         )  # fmt: skip
     if cfg.name == "arithmetic":
         a = cfg.arithmetic

@@ -148,6 +148,7 @@ class MazeEnv:
         offset_letters: str = "udlr",
         noise_moves: str = "uniform",
         exit_order: str = "udlr",
+        demonstrator_mix: dict[str, float] | None = None,
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -166,6 +167,13 @@ class MazeEnv:
         self.view = view
         self.observation = observation
         self.demonstrator = demonstrator
+        self.demonstrator_mix = dict(demonstrator_mix or {})
+        for name, p in self.demonstrator_mix.items():
+            _check_choice("demonstrator_mix key", name, DEMONSTRATORS)
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"maze demonstrator_mix[{name!r}] must lie in [0, 1], got {p}")
+        if sum(self.demonstrator_mix.values()) > 1.0 + 1e-9:
+            raise ValueError(f"maze demonstrator_mix {self.demonstrator_mix} sums to more than 1")
         self.bump_feedback = bump_feedback
         _check_choice("offset_letters", offset_letters, OFFSET_LETTERS)
         _check_choice("noise_moves", noise_moves, NOISE_MOVES)
@@ -334,7 +342,9 @@ class MazeEnv:
 
     # -- demonstrations -------------------------------------------------------------------------
     def expert_action(self, rng: np.random.Generator) -> str:
-        """The demonstrator's move (``demonstrator=``).
+        """The demonstrator's move (``demonstrator=``), or with ``demonstrator_mix`` one
+        demonstrator drawn per turn (one ``rng`` draw a turn; the rest of the probability goes
+        to ``demonstrator``).
 
         ``shortest``: a move along a shortest path. Ties go to the move that also shrinks the
         larger of the row/column offsets to the goal, then to the order u, d, l, r
@@ -342,9 +352,20 @@ class MazeEnv:
         neighbour that is a dead end (no open move onward, and not the goal) comes last.
         ``careful``: lookahead, and among the moves left an unvisited cell comes first.
         """
-        if self.demonstrator in ("greedy", "lookahead", "careful"):
-            careful = self.demonstrator == "careful"
-            return self.greedy_action(self.demonstrator != "greedy", prefer_unvisited=careful)
+        name = self.demonstrator
+        if self.demonstrator_mix:
+            u, acc = rng.random(), 0.0
+            for other, p in self.demonstrator_mix.items():
+                acc += p
+                if u < acc:
+                    name = other
+                    break
+        return self._move_of(name)
+
+    def _move_of(self, demonstrator: str) -> str:
+        if demonstrator in ("greedy", "lookahead", "careful"):
+            careful = demonstrator == "careful"
+            return self.greedy_action(demonstrator != "greedy", prefer_unvisited=careful)
         here = self._dist[self.pos]
         gr, gc = self.goal
         best = []
