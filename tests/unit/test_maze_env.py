@@ -738,7 +738,7 @@ def test_mixed_teacher_draws_each_turns_demonstrator_with_its_probability():
     [
         ("env.maze.demonstrator_mix={careful: 1.5}", "demonstrator_mix.careful=1.5"),
         ("env.maze.demonstrator_mix={careful: 0.6, lookahead: 0.6}", "sums to more than 1"),
-        ("env.maze.demonstrator_mix={oracle: 0.5}", "bad key .oracle. in .env.maze.demonstrator_mix."),
+        ("env.maze.demonstrator_mix={oracle: 0.5}", "bad key .oracle. in .env.maze.demo"),
     ],
 )
 def test_a_bad_mixed_teacher_is_a_one_line_error(override, error):
