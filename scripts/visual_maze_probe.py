@@ -1,12 +1,14 @@
 """Why does a visual-maze policy fail? Greedy play on held-out mazes with ``describe`` on; at
 every turn, is the reply's description (the text maze's compass line) what the picture shows,
-and is its move the demonstrator's?
+and is its move the demonstrator's? With a mixed teacher (``env.maze.demonstrator_mix``) each
+rule is scored on its own, and on the turns where the rules disagree.
 
     python scripts/visual_maze_probe.py RUN_DIR [--episodes 100] [--model final|sft|...]
 
-Prints the turns' shares (description exact, each of its fields right, the move the teacher's,
-bumps) and the failed episodes counted by their first move other than the teacher's: after a
-wrong description, after a right one, or none (docs/vision.md, "Session 22").
+Prints the turns' shares (description exact, each of its fields right, the move the teacher's --
+any of its rules' --, each rule's, bumps), on the turns where the rules disagree the share that
+took each, and the failed episodes counted by their first move other than the teacher's: after
+a wrong description, after a right one, or none (docs/vision.md, "Session 22", "Session 23").
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import collections
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from gyre.config import load_config
@@ -52,21 +53,30 @@ def probe(run_dir: Path, model_dir: str = "final", episodes: int = 100) -> dict[
     trajs = run_episodes(ro.make_env, engine, tok, seeds, 1, params, chat=ro.chat, window=ro.window)
     turns: collections.Counter[str] = collections.Counter()
     fails: collections.Counter[str] = collections.Counter()
-    rng = np.random.default_rng(0)  # the demonstrator draws only for noise, never here
+    rules = [cfg.env.maze.demonstrator, *cfg.env.maze.demonstrator_mix]
+    split: collections.Counter[str] = collections.Counter()
     for traj, seed in zip(trajs, seeds, strict=True):
         env = ro.make_env()
         env.reset(seed)
         first = None
         for a, b in traj.turn_spans:
             reply = tok.decode(traj.token_ids[a:b], skip_special_tokens=True).strip()
-            want = env.expert_action(rng)
-            said, right = reply.rsplit(" ", 1)[0], want.rsplit(" ", 1)[0]
-            move_ok = reply.split()[-1:] == want.split()[-1:]
+            said, right = reply.rsplit(" ", 1)[0], env.description()
+            move = reply.split()[-1:]
+            wants = {rule: [env.maze.move_of(rule)] for rule in rules}
+            move_ok = move in wants.values()
             turns["turns"] += 1
             turns["description exact"] += said == right
             for name, x, y in zip(FIELDS, _fields(said), _fields(right), strict=True):
                 turns[name] += x == y
             turns["move = teacher's"] += move_ok
+            if len(rules) > 1:
+                for rule, want in wants.items():
+                    turns[f"move = {rule}'s"] += move == want
+                if len({w[0] for w in wants.values()}) > 1:  # the rules disagree here
+                    split["turns"] += 1
+                    for rule, want in wants.items():
+                        split[rule] += move == want
             bumps = env.maze.bumps
             env.step(reply)
             turns["bump"] += env.maze.bumps > bumps
@@ -75,12 +85,16 @@ def probe(run_dir: Path, model_dir: str = "final", episodes: int = 100) -> dict[
         if not traj.success:
             fails[first or "every move the teacher's"] += 1
     n = max(turns.pop("turns"), 1)
+    k = split.pop("turns", 0)
+    shares = {r: round(split[r] / max(k, 1), 3) for r in rules}
+    disagree = {"turns": k, **shares} if len(rules) > 1 else {}
     return {
         "episodes": len(trajs),
         "success": sum(t.success for t in trajs) / max(len(trajs), 1),
         "turns": n,
         "turn shares": {k: round(v / n, 3) for k, v in turns.items()},
         "failures by first move not the teacher's": dict(fails),
+        **({"where the rules disagree, the move": disagree} if disagree else {}),
     }
 
 

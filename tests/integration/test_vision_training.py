@@ -139,9 +139,11 @@ def test_sft_on_images_learns_to_read_the_pixels(tmp_path):
     assert first >= 0.9  # step 0: the SFT checkpoint, before any GRPO
 
 
-def test_visual_maze_probe_script_reads_a_describe_run(tmp_path):
+@pytest.mark.parametrize("mix", [False, True])
+def test_visual_maze_probe_script_reads_a_describe_run(tmp_path, mix):
     """scripts/visual_maze_probe.py on a 2-step SFT of the describe reply: every turn scored,
-    every failed episode counted once, the fields' shares bounded by the whole line's."""
+    every failed episode counted once, the fields' shares bounded by the whole line's. With a
+    mixed teacher each rule is scored apart: a move is the teacher's when it is either rule's."""
     import importlib.util
     from pathlib import Path
 
@@ -153,6 +155,8 @@ def test_visual_maze_probe_script_reads_a_describe_run(tmp_path):
             "env.visual_maze.pad_to=32", "rollout.history_turns=0", "sft.steps=2",
             "sft.demos=4", "sft.batch_size=2", "train.sampling.max_new_tokens=16",
             "log.console=off", "run.threads=1", f"run.dir={run}"]  # fmt: skip
+    if mix:
+        args += ["env.maze.demonstrator=greedy", "env.maze.demonstrator_mix={careful: 0.35}"]
     assert main(args) == 0
     script = Path(__file__).resolve().parents[2] / "scripts" / "visual_maze_probe.py"
     spec = importlib.util.spec_from_file_location("visual_maze_probe", script)
@@ -166,3 +170,9 @@ def test_visual_maze_probe_script_reads_a_describe_run(tmp_path):
     assert shares["description exact"] <= min(shares[k] for k in ("up", "goal offset"))
     failed = round(3 * (1 - out["success"]))
     assert sum(out["failures by first move not the teacher's"].values()) == failed
+    assert ("where the rules disagree, the move" in out) == mix
+    if mix:
+        rules = [shares["move = greedy's"], shares["move = careful's"]]
+        assert max(rules) <= shares["move = teacher's"] <= sum(rules)
+        split = out["where the rules disagree, the move"]
+        assert 0 <= split["turns"] <= out["turns"] and split["greedy"] + split["careful"] <= 1.0

@@ -360,9 +360,10 @@ class MazeEnv:
                 if u < acc:
                     name = other
                     break
-        return self._move_of(name)
+        return self.move_of(name)
 
-    def _move_of(self, demonstrator: str) -> str:
+    def move_of(self, demonstrator: str) -> str:
+        """One demonstrator's move here (a name of ``DEMONSTRATORS``), no draw."""
         if demonstrator in ("greedy", "lookahead", "careful"):
             careful = demonstrator == "careful"
             return self.greedy_action(demonstrator != "greedy", prefer_unvisited=careful)

@@ -111,7 +111,7 @@ def validation_demos(cfg: Config, tokenizer: Any) -> list[Trajectory]:
     """``sft.validation_demos`` demonstrations without noise on the validation seeds (never
     trained on, never the held-out evaluation's), for :func:`gyre.trainer.sft.sft_validate`."""
     play = _Player(cfg, tokenizer)
-    rng = np.random.default_rng([cfg.run.seed, STREAM_SFT, 2])  # noise 0: draws change nothing
+    rng = np.random.default_rng([cfg.run.seed, STREAM_SFT, 2])  # a mixed teacher draws from it
     return [play(seed, 0.0, rng) for seed in validation_seeds(cfg.sft.validation_demos)]
 
 
