@@ -168,6 +168,9 @@ class ModelConfig(_Section):
         return self
 
 
+DemonstratorName = Literal["shortest", "greedy", "lookahead", "careful"]  # gyre.envs.maze's
+
+
 class MazeConfig(_Section):
     size: int = Field(5, ge=5, description="Maze side length in cells (at least 5).")
     wall_density: float = Field(
@@ -190,7 +193,7 @@ class MazeConfig(_Section):
         description="View radius: compass cells within this many moves; exits looks 1 or 2"
         " moves ahead; window half-width.",
     )
-    demonstrator: Literal["shortest", "greedy", "lookahead", "careful"] = Field(
+    demonstrator: DemonstratorName = Field(
         "careful",
         description="SFT demonstrator: shortest = a move along a shortest path (solves every "
         "maze); greedy = the legal move that brings the agent closest to the goal (never bumps, "
@@ -198,7 +201,7 @@ class MazeConfig(_Section):
         "dead end (nothing open beyond it) only when every move is one; careful = lookahead, "
         "then an unvisited cell before a visited one.",
     )
-    demonstrator_mix: dict[Literal["shortest", "greedy", "lookahead", "careful"], float] = Field(
+    demonstrator_mix: dict[DemonstratorName, float] = Field(
         default_factory=dict,
         description="A mixed teacher: each turn's move is drawn from these demonstrators with "
         "these probabilities (summing to at most 1), the rest of the time `demonstrator`'s, e.g. "
