@@ -122,8 +122,11 @@ class TinyVlmConfig(_Section):
 class ModelConfig(_Section):
     path: str = Field(
         "",
-        description="Local Hugging Face folder: a causal LM, or an image-text-to-text VLM (its "
-        "config.json has a vision_config: docs/vision.md); empty builds the tiny default.",
+        description="A Hugging Face model: a local folder, or a hub id (org/name) resolved "
+        "through the local hub cache (HF_HUB_OFFLINE=1: the cache only; online: downloaded as "
+        "transformers does). A causal LM, or an image-text-to-text VLM (its config.json has a "
+        "vision_config: docs/vision.md). A GGUF file is imported first with gyre import. Empty "
+        "builds the tiny default.",
     )
     kind: Literal["text", "qwen2_5_vl", "qwen3_vl", "idefics3"] = Field(
         "text",
