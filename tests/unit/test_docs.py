@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from repo_files import tracked_text_files
+
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "gyre"
 DOCS = [ROOT / "docs" / "architecture.md", ROOT / "CONTRIBUTING.md"]
@@ -195,26 +197,6 @@ def test_checks_catch_bogus_references() -> None:
 
 # "=======" alone is also a Markdown heading underline, so only the two outer markers count.
 CONFLICT_RE = re.compile(r"^(<{7}|>{7}) ", re.M)
-
-
-def tracked_text_files() -> list[Path]:
-    """Every file git tracks in the repository that decodes as UTF-8 text."""
-    import subprocess
-
-    out = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
-    ).stdout.decode()
-    files = []
-    for rel in filter(None, out.split("\0")):
-        path = ROOT / rel
-        if not path.is_file():
-            continue  # deleted in the working tree, not yet committed
-        try:
-            path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue  # binary (an image, a checkpoint)
-        files.append(path)
-    return files
 
 
 def conflict_markers(text: str) -> list[str]:

@@ -54,14 +54,14 @@ Every action uses one move of the budget:
 - a move into a wall or off the grid leaves the agent in place;
 - a malformed action (anything else) also leaves the agent in place: a wasted move.
 
-Three variants of the ``exits`` view (all off by default; measured in docs/maze-experiments.md,
-"Session 12"): ``closer_mark`` puts ``*`` after the cell character of every open move that
-brings the agent nearer the goal (Manhattan distance; the goal offset says the same, here
-written where the move is: ``u4l2 r+UR l.*>``); ``exit_order="nearest"`` lists the open moves
-nearest the goal first (Manhattan distance of their cell; ties u, d, l, r, so the greedy
-demonstrator's move is always the first listed); ``offset_letters="nswe"`` writes the goal
-offset with the compass letters ``N S W E`` instead of the move letters (``N4W2 r+UR l.*>``),
-so that no move letter appears outside the open moves.
+Three variants of the ``exits`` view (all off by default; measured in docs/results/maze.md):
+``closer_mark`` puts ``*`` after the cell character of every open move that brings the agent nearer
+the goal (Manhattan distance; the goal offset says the same, here written where the move is: ``u4l2
+r+UR l.*>``); ``exit_order="nearest"`` lists the open moves nearest the goal first (Manhattan
+distance of their cell; ties u, d, l, r, so the greedy demonstrator's move is always the first
+listed); ``offset_letters="nswe"`` writes the goal offset with the compass letters ``N S W E``
+instead of the move letters (``N4W2 r+UR l.*>``), so that no move letter appears outside the open
+moves.
 
 With ``bump_feedback`` (off by default) the view after a move into a wall starts with ``!``
 (``!u4l2 r+UR>``: the last move was blocked), as a text adventure says "you can't go that way";
@@ -427,7 +427,7 @@ class MazeEnv:
         if self.observation == "exits":
             if self.view == 1:
                 view = self._exits() + " " + self._offset() + ">"
-            else:  # the exits next to the prompt: measured to train faster (maze-experiments)
+            else:  # the exits next to the prompt: measured to train faster (docs/results/maze.md)
                 view = self._offset() + " " + self._exits() + ">"
             return "\n".join([*self._grid(), view]) if first else view
         if self.observation == "window":
