@@ -24,6 +24,10 @@ from gyre.config.train import SFTConfig, TrainConfig
 
 
 class Config(_Section):
+    """The whole run. ``Config()`` is every field's own default, for every env alike: nothing
+    is filled in behind it. What ``gyre train`` runs with no config file is the shipped maze
+    recipe, :func:`gyre.config.load_recipe` (``gyre/recipes/maze.yaml``)."""
+
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
