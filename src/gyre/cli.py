@@ -15,8 +15,11 @@ one line), 3 aborted by a fault policy (faults.*, or nan/inf weights after an up
 on SIGTERM/SIGINT after a checkpoint (resume with run.resume=auto), 130 second signal. Errors
 are one line on stderr; ``--debug`` also prints the traceback.
 
-With no config file the built-in maze default is used. Keys are dotted config paths, e.g.
-``run.dir=runs/x train.steps=20 model.path=/models/my-llm``; ``--help-config`` lists them all.
+With no config file, ``gyre train`` and ``gyre sft`` run the shipped maze recipe
+(``gyre/recipes/maze.yaml``, the same file as examples/maze/config.yaml) unless the keys name
+another ``env.name`` or a ``model.path``; then the fields' defaults. Keys are dotted config
+paths, e.g. ``run.dir=runs/x train.steps=20 model.path=/models/my-llm``; ``--help-config``
+lists them all with the values the recipe runs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import Config, ConfigError, describe_fields, load_config
+from gyre.config.loading import default_config_path
 from gyre.errors import InputError, disk_full_message, is_disk_full
 
 _KEYS_HELP = """common keys (all of them: gyre --help-config):
@@ -54,7 +58,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "train.steps=20\n  gyre train run.dir=runs/a run.resume=auto\n"
         "  gyre eval model.path=runs/a/final eval.episodes=500",
     )
-    parser.add_argument("--help-config", action="store_true", help="list every config key")
+    parser.add_argument(
+        "--help-config",
+        action="store_true",
+        help="list every config key with the value `gyre train` uses (the maze recipe)",
+    )
     parser.add_argument(
         "--debug", action="store_true", help="on an error, also print the traceback"
     )
@@ -94,6 +102,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     path = None
     if args and "=" not in args[0]:
         path = args.pop(0)
+    elif ns.command in ("train", "sft"):
+        path = default_config_path(args)
+        if path is not None:  # stdout: stderr is for errors
+            print(f"gyre: no config file: the maze recipe {path} (gyre --help-config)", flush=True)
     return ns, load_config(path, args)
 
 

@@ -172,6 +172,8 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
             plan = ckpt.plan()
             policy, ref = warm_start(cfg, run_dir, device, ckpt, plan, guard)
             out = build_telemetry(cfg, run_dir, load_tokenizer(ref), extra=sink)
+            for note in cfg.adapted():  # values a check filled in (config.yaml holds them)
+                out.message(note)
             placement.start(run_dir, policy, ref, plan, out, ckpt)
             state = _steps(cfg, placement, out, plan, run_dir, guard)
             placement.write_final(run_dir / "final")
