@@ -212,7 +212,7 @@ def _run(argv: list[str]) -> int:
         return report_main(argv[1:])
     if argv and argv[0] in ("serve", "export"):  # these take paths and flags, not config keys
         from gyre.commands import export
-        from gyre.engines import server
+        from gyre.serve import server
 
         return {"serve": server.main, "export": export.main}[argv[0]](argv[1:])
     ns, cfg = _parse(argv)

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from chat_helpers import build_chat_model, build_chat_tokenizer
 from gyre.engines.recorder import Recorder
-from gyre.engines.server import ModelHost, create_app
+from gyre.serve.server import ModelHost, create_app
 from gyre.rollout.recorded import read_records, to_trajectory
 from gyre.types import Completion
 
@@ -258,7 +258,7 @@ def test_open_episodes_at_shutdown_are_scored_by_the_reward_fn(model_dir, tmp_pa
 
 
 def test_serve_cli_refuses_a_bad_reward_fn(model_dir, tmp_path, capsys):
-    from gyre.engines import server
+    from gyre.serve import server
 
     missing = f"{tmp_path / 'nope.py'}:score"
     assert (

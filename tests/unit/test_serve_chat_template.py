@@ -14,7 +14,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from gyre.engines.server import ModelHost, create_app
+from gyre.serve.server import ModelHost, create_app
 from gyre.models.build import load_tokenizer
 from helpers import save_qwen2_bpe
 
