@@ -230,7 +230,7 @@ def test_bad_calls_are_4xx_naming_the_field(model_dir, tmp_path):
 
 
 def test_assistant_message_parses_hermes_tool_calls_only_with_tools():
-    from gyre.engines.serve_requests import assistant_message
+    from gyre.serve.requests import assistant_message
 
     msg, bad = assistant_message("Let me check.\n" + CALL, tools=True)
     assert bad == 0 and msg["content"] == "Let me check."

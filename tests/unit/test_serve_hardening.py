@@ -18,7 +18,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from gyre.checkpoint.store import write_model_dir
-from gyre.engines.serve_requests import MIN_TEMPERATURE, ApiError
+from gyre.serve.requests import MIN_TEMPERATURE, ApiError
 from gyre.serve.server import ModelHost, create_app
 
 

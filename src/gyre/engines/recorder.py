@@ -50,7 +50,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gyre.engines.serve_requests import (
+from gyre.serve.requests import (
     ApiError,
     ChatBody,
     _message,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre.engines.serve_requests import (
+from gyre.serve.requests import (
     ApiError,
     ChatMessage,
     GenerateBody,

@@ -51,7 +51,7 @@ from gyre.engines.recorder import (
 )
 from gyre.engines.serve_host import Batcher, ModelHost
 from gyre.engines.serve_images import chat_ids, generate_ids
-from gyre.engines.serve_requests import (
+from gyre.serve.requests import (
     ApiError,
     ChatBody,
     CompletionBody,
