@@ -23,7 +23,7 @@ Hostile input: a body over ``max_body_bytes`` is a 413 before it is read in full
 validation, tokenization and decoding run on a preparation thread and the model on the engine
 thread, so the event loop (and ``/health``) stays free; every bad value is a 4xx JSON error
 naming its field and anything unexpected a JSON 500 naming the route. Weight loads verify the
-folder's manifest and refuse non-finite tensors (:mod:`gyre.engines.serve_host`). It binds
+folder's manifest and refuse non-finite tensors (:mod:`gyre.serve.host`). It binds
 127.0.0.1 unless told otherwise, and refuses a wider bind without an API key unless
 ``--allow-open`` (docs/engines.md).
 """
@@ -49,7 +49,7 @@ from gyre.engines.recorder import (
     recorded_chat,
     session_of,
 )
-from gyre.engines.serve_host import Batcher, ModelHost
+from gyre.serve.host import Batcher, ModelHost
 from gyre.engines.serve_images import chat_ids, generate_ids
 from gyre.serve.requests import (
     ApiError,
