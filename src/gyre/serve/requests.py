@@ -114,7 +114,7 @@ class Part(_Body):
     """One part of a list ``content``: ``{"type": "text", "text": ...}``, or an image in
     OpenAI's form, ``{"type": "image_url", "image_url": {"url": ...}}`` (one model, so a bad
     part's error names ``messages.0.content.1.image_url.url``, not a union member; the field
-    its type needs is checked by :func:`gyre.engines.serve_images.chat_ids`)."""
+    its type needs is checked by :func:`gyre.serve.images.chat_ids`)."""
 
     type: Literal["text", "image_url"]
     text: str | None = None
@@ -134,7 +134,7 @@ Content = Annotated[
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # Text parts alone are joined with "\n", as vLLM does; with an image part the parts go to
-    # the chat template as they are (gyre.engines.serve_images).
+    # the chat template as they are (gyre.serve.images).
     content: Content | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)

@@ -50,7 +50,7 @@ from gyre.engines.recorder import (
     session_of,
 )
 from gyre.serve.host import Batcher, ModelHost
-from gyre.engines.serve_images import chat_ids, generate_ids
+from gyre.serve.images import chat_ids, generate_ids
 from gyre.serve.requests import (
     ApiError,
     ChatBody,
