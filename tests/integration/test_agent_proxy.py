@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from chat_helpers import build_chat_model, build_chat_tokenizer
 from gyre.cli import main as gyre_main
-from gyre.engines.recorder import Recorder
+from gyre.serve.recorder import Recorder
 from gyre.serve.server import ModelHost, create_app
 from gyre.models.build import load_pretrained
 from gyre.rollout.recorded import read_records, to_trajectory

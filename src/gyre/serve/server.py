@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ValidationError
 
-from gyre.engines.recorder import (
+from gyre.serve.recorder import (
     Recorder,
     add_recorder_args,
     add_routes,
@@ -380,7 +380,7 @@ def create_app(
     recorder: Recorder | None = None,
 ) -> Any:
     """The FastAPI app; ``uvicorn.run(create_app(...))`` serves it. With a ``recorder``
-    (``--record``), chat calls that name a session are recorded (:mod:`gyre.engines.recorder`)."""
+    (``--record``), chat calls that name a session are recorded (:mod:`gyre.serve.recorder`)."""
     _require_serve_extra()
     import asyncio
     from contextlib import asynccontextmanager
