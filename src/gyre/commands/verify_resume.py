@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from gyre.checkpoint.resume import EXIT_OK, EXIT_PREEMPTED
-from gyre.credentials import secrets_to_env
+from gyre.engines.credentials import secrets_to_env
 
 METRIC_FILES = ("sft_metrics.jsonl", "metrics.jsonl")
 MODEL_DIRS = ("sft", "final")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from gyre.config import Config, PerfConfig
-from gyre.credentials import resolve_api_key
+from gyre.engines.credentials import resolve_api_key
 from gyre.engines.sync import WeightSync
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.vision import vision_of

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import load_config
-from gyre.credentials import secrets_to_env
+from gyre.engines.credentials import secrets_to_env
 from gyre.runners.placement import require_ray
 
 
