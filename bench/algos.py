@@ -50,7 +50,7 @@ from gyre.rollout.episodes import run_episodes, stop_ids
 from gyre.rollout.evaluate import eval_seeds
 from gyre.runners import train
 from gyre.trainer.batch import collate, token_logprobs
-from gyre.trainer.warmstart import run_sft
+from gyre.sft import run_sft
 from gyre.types import SamplingParams
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "algorithms.md"

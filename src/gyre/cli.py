@@ -259,7 +259,7 @@ def _run(argv: list[str]) -> int:
         console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
     elif ns.command == "sft":
         run_dir, device = loop.setup(cfg)
-        from gyre.trainer.warmstart import run_sft
+        from gyre.sft import run_sft
 
         out = run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
         console.print(f"SFT checkpoint written to {out}")

@@ -50,7 +50,7 @@ from gyre.rollout.evaluate import demonstrator_success
 from gyre.telemetry import MetricsSink, timed
 from gyre.telemetry.factory import Telemetry, build_telemetry
 from gyre.telemetry.signal import NoSignalWatch
-from gyre.trainer.warmstart import run_sft
+from gyre.sft import run_sft
 from gyre.types import Trajectory
 
 

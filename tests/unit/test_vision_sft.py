@@ -151,7 +151,7 @@ def test_context_limit_ends_a_demonstration_as_it_ends_a_rollout(qwen_tok):
 
 
 def test_warm_start_demonstrations_carry_images_and_cache(qwen_tok, tmp_path):
-    from gyre.trainer.warmstart import demonstrations
+    from gyre.sft import demonstrations
 
     over = ["env.name=visual_maze", "sft.demos=3", "model.kind=qwen2_5_vl"]
     cfg = load_config(None, over)
@@ -177,7 +177,7 @@ def test_warm_start_demonstrations_carry_images_and_cache(qwen_tok, tmp_path):
 def test_windowed_demonstrations_share_their_frames(qwen_tok, tmp_path):
     """With step-wise rows (rollout.history_turns=0) an episode and its steps hold the same
     frames: decoded once from the cache, shared, not one copy per holder."""
-    from gyre.trainer.warmstart import demonstrations
+    from gyre.sft import demonstrations
 
     over = ["env.name=visual_maze", "sft.demos=4", "model.kind=qwen2_5_vl",
             "rollout.history_turns=0", "rollout.keep_opening=false"]  # fmt: skip
@@ -385,7 +385,7 @@ def test_vlm_micro_batches_pad_to_their_own_rows_and_sum_to_the_whole(tmp_path):
     from gyre.trainer.batch import collate, micro_batches
     from gyre.trainer.sft import sft_step
     from gyre.trainer.update import prepare_batch
-    from gyre.trainer.warmstart import demonstrations, expand_steps
+    from gyre.sft import demonstrations, expand_steps
 
     model, tok = load_vlm(tiny_vlm("qwen3_vl", tmp_path / "vlms"), torch.device("cpu"))
     over = ["env.name=visual_maze", "sft.demos=3", "model.kind=qwen3_vl",
