@@ -29,9 +29,8 @@ def warm_start(
 ) -> Path:
     """One SFT warm start (in this process; the default SFT config is 600 steps on 4000 demos)
     that every mode starts from; reused from ``cache`` when it was made with the same settings."""
-    from gyre import loop
+    from gyre import loop, sft
     from gyre.config import load_config
-    from gyre import sft
 
     overrides = bench_overrides(seed)
     key = "|".join([*overrides, f"sft.steps={sft_steps}", f"sft.demos={demos}"])

@@ -1,4 +1,4 @@
-"""Deprecated path: API keys and secrets lives in :mod:`gyre.engines.credentials` (this alias goes in the next version)."""
+"""Deprecated path of :mod:`gyre.engines.credentials` (API keys and secrets); kept one version."""
 
 from gyre.plugins import moved_module
 

@@ -47,10 +47,10 @@ from gyre.errors import ensure_writable_dir
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_device
 from gyre.rollout.core import rollout_metrics
 from gyre.rollout.evaluate import demonstrator_success
+from gyre.sft import run_sft
 from gyre.telemetry import MetricsSink, timed
 from gyre.telemetry.factory import Telemetry, build_telemetry
 from gyre.telemetry.signal import NoSignalWatch
-from gyre.sft import run_sft
 from gyre.types import Trajectory
 
 

@@ -24,10 +24,9 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-from gyre import loop, runners  # noqa: E402
+from gyre import loop, runners, sft  # noqa: E402
 from gyre.checkpoint.resume import FaultAbort  # noqa: E402
 from gyre.config import load_config  # noqa: E402
-from gyre import sft  # noqa: E402
 from serve_helpers import start_server  # noqa: E402
 
 TINY = [

@@ -13,9 +13,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gyre import loop, runners  # noqa: E402
+from gyre import loop, runners, sft  # noqa: E402
 from gyre.config import load_config  # noqa: E402
-from gyre import sft  # noqa: E402
 
 STEPS, TASKS, GROUP = 3, 4, 4
 SKIP_PREFIXES = ("time/", "perf/", "sync/", "async/", "recovery/")

@@ -14,9 +14,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from chat_helpers import build_chat_model, build_chat_tokenizer
+from gyre.rollout.recorded import read_records, to_trajectory
 from gyre.serve.recorder import Recorder
 from gyre.serve.server import ModelHost, create_app
-from gyre.rollout.recorded import read_records, to_trajectory
 from gyre.types import Completion
 
 CALC = {

@@ -382,10 +382,10 @@ def test_tiny_vlm_tower_width_and_position_grid(tmp_path):
 def test_vlm_micro_batches_pad_to_their_own_rows_and_sum_to_the_whole(tmp_path):
     """A VLM batch is cut shortest rows first: each micro-batch pads only to its own longest
     row, and the SFT gradient and the recomputed old log-probs equal one whole-batch forward's."""
+    from gyre.sft import demonstrations, expand_steps
     from gyre.trainer.batch import collate, micro_batches
     from gyre.trainer.sft import sft_step
     from gyre.trainer.update import prepare_batch
-    from gyre.sft import demonstrations, expand_steps
 
     model, tok = load_vlm(tiny_vlm("qwen3_vl", tmp_path / "vlms"), torch.device("cpu"))
     over = ["env.name=visual_maze", "sft.demos=3", "model.kind=qwen3_vl",

@@ -1,4 +1,4 @@
-"""Deprecated path: the agent-proxy recorder lives in :mod:`gyre.serve.recorder` (this alias goes in the next version)."""
+"""Deprecated path of :mod:`gyre.serve.recorder` (the agent-proxy recorder); kept one version."""
 
 from gyre.plugins import moved_module
 

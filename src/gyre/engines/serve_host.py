@@ -1,4 +1,4 @@
-"""Deprecated path: the model behind ``gyre serve`` lives in :mod:`gyre.serve.host` (this alias goes in the next version)."""
+"""Deprecated path of :mod:`gyre.serve.host` (the model behind ``gyre serve``); kept one version."""
 
 from gyre.plugins import moved_module
 

@@ -1,4 +1,4 @@
-"""Deprecated path: images in ``gyre serve`` requests lives in :mod:`gyre.serve.images` (this alias goes in the next version)."""
+"""Deprecated path of :mod:`gyre.serve.images` (images in serve requests); kept one version."""
 
 from gyre.plugins import moved_module
 

@@ -1,4 +1,4 @@
-"""Deprecated path: ``gyre serve``'s request bodies lives in :mod:`gyre.serve.requests` (this alias goes in the next version)."""
+"""Deprecated path of :mod:`gyre.serve.requests` (serve request bodies); kept one version."""
 
 from gyre.plugins import moved_module
 

@@ -1,4 +1,4 @@
-"""Deprecated path: the ``gyre serve`` server lives in :mod:`gyre.serve.server` (this alias goes in the next version)."""
+"""Deprecated path of :mod:`gyre.serve.server` (the ``gyre serve`` server); kept one version."""
 
 from gyre.plugins import moved_module
 

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from gyre.checkpoint.files import MANIFEST_FILE, verify_dir
-from gyre.serve.requests import ApiError, Vocab
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.build import load_pretrained
 from gyre.models.vision import checkpoint_state, vision_of
+from gyre.serve.requests import ApiError, Vocab
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 # -- checks on a folder of weights ----------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gyre.models.vision import image_from_uri, vision_of
 from gyre.serve.requests import (
     ApiError,
     ChatMessage,
@@ -31,7 +32,6 @@ from gyre.serve.requests import (
     chat_prompt,
     prompts_of,
 )
-from gyre.models.vision import image_from_uri, vision_of
 
 
 def _image(uri: str, field: str) -> np.ndarray:

@@ -50,6 +50,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from gyre.rollout.chat import ChatEpisode, ChatTemplate
+from gyre.rollout.recorded import RECORD_FILE, RECORD_SCHEMA
 from gyre.serve.requests import (
     ApiError,
     ChatBody,
@@ -59,8 +61,6 @@ from gyre.serve.requests import (
     sampling_params,
     validation_message,
 )
-from gyre.rollout.chat import ChatEpisode, ChatTemplate
-from gyre.rollout.recorded import RECORD_FILE, RECORD_SCHEMA
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 Message = dict[str, Any]

@@ -8,7 +8,7 @@ three:
   adds ``token_ids`` / ``prompt_token_ids`` to each choice, ``return_tokens_as_token_ids: true``
   writes tokens as ``"token_id:N"`` (vLLM's fields); ``stop_token_ids`` and ``seed`` as in vLLM.
 - ``POST /v1/chat/completions`` with ``logprobs`` / ``top_logprobs``; for a VLM, ``image_url``
-  parts (data URIs) and SGLang's ``/generate`` with ``image_data`` (:mod:`serve_images`).
+  parts (data URIs) and SGLang's ``/generate`` with ``image_data`` (:mod:`~gyre.serve.images`).
 - ``GET /v1/models``, ``GET /health``.
 - ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}`` and ``POST /v1/unload_lora_adapter``
   ``{lora_name}`` (vLLM); a loaded adapter is addressed by passing its name as ``model``.
@@ -41,6 +41,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ValidationError
 
+from gyre.models.build import resolve_device
+from gyre.serve.host import Batcher, ModelHost
+from gyre.serve.images import chat_ids, generate_ids
 from gyre.serve.recorder import (
     Recorder,
     add_recorder_args,
@@ -49,8 +52,6 @@ from gyre.serve.recorder import (
     recorded_chat,
     session_of,
 )
-from gyre.serve.host import Batcher, ModelHost
-from gyre.serve.images import chat_ids, generate_ids
 from gyre.serve.requests import (
     ApiError,
     ChatBody,
@@ -68,7 +69,6 @@ from gyre.serve.requests import (
     sampling_params,
     validation_message,
 )
-from gyre.models.build import resolve_device
 from gyre.types import GenerationRequest, SamplingParams
 
 __all__ = ["ApiError", "ModelHost", "create_app", "main"]

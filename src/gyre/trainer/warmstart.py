@@ -1,4 +1,4 @@
-"""Deprecated path: the SFT warm start lives in :mod:`gyre.sft` (this alias goes in the next version)."""
+"""Deprecated path of :mod:`gyre.sft` (the SFT warm start); kept one version."""
 
 from gyre.plugins import moved_module
 
