@@ -169,7 +169,8 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
         with StopGuard() as guard:  # after connect: ray.init installs handlers of its own
             plan = ckpt.plan()
             policy, ref = warm_start(cfg, run_dir, device, ckpt, plan, guard)
-            out = build_telemetry(cfg, run_dir, load_tokenizer(ref), extra=sink)
+            tok, make_env = load_tokenizer(ref), env_factory(cfg.env)
+            out = build_telemetry(cfg, run_dir, tok, sink, make_env=make_env)
             placement.start(run_dir, policy, ref, plan, out, ckpt)
             state = _steps(cfg, placement, out, plan, run_dir, guard)
             placement.write_final(run_dir / "final")

@@ -14,7 +14,7 @@ import pytest
 
 from gyre.config import ConfigError, TelemetryConfig, load_config
 from gyre.envs.maze import MazeEnv
-from gyre.telemetry.samples import SampleWriter, action_spans, replay_maze
+from gyre.telemetry.samples import SampleWriter, action_spans
 from gyre.types import Trajectory
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -175,7 +175,7 @@ def test_action_spans():
     assert action_spans([0, 0]) == []
 
 
-def test_replay_maze_follows_the_env():
+def test_maze_render_episode_follows_the_env():
     env = MazeEnv()
     env.reset(3)
     rng = np.random.default_rng(0)
@@ -185,8 +185,9 @@ def test_replay_maze_follows_the_env():
         env.step(a)
         actions.append(a)
         positions.append(list(env.pos))
-    rec = replay_maze(MazeEnv(), 3, actions)
-    assert rec["positions"] == positions and rec["success"]
+    out = MazeEnv().render_episode(3, actions)
+    rec = out["maze"]
+    assert rec["positions"] == positions and out["success"]
     assert rec["positions"][-1] == rec["goal"] and len(rec["walls"]) == 5
     assert rec["walls"][rec["start"][0]][rec["start"][1]] == "."
 

@@ -190,6 +190,9 @@ def resolve_run_dir(cfg: Config) -> Path:
     return Path(cfg.run.dir)
 
 
+ENV_RECORD = "gyre_env.json"  # in sft/ and final/: the env (and stop) config it was trained on
+
+
 def dump_config(cfg: Config) -> str:
     """The config as YAML, secrets written as '***' (see :func:`resolve_api_key`)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
