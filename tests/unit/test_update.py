@@ -271,11 +271,12 @@ def test_gae_value_model_learns(make_tiny_model, tokenizer, mode):
         value_clip=10.0,
         loss_agg="token-mean",
     )
+    gae = train_cfg(gamma=1.0, lam=0.95)  # the estimator's numbers
     losses = []
     for _ in range(6):
         batch = collate(trajs, pad, CPU)
         prepare_batch(model, batch, s, value_model=vm)
-        adv, _ = batch_advantages("gae", rewards, groups, batch, s, gamma=1.0, lam=0.95)
+        adv, _ = batch_advantages("gae", rewards, groups, batch, gae)
         gen = torch.Generator().manual_seed(len(losses))
         m = policy_update(model, opt, batch, adv, s, generator=gen, value_model=vm)
         losses.append(m["train/value_loss"])

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from gyre.algos.advantages import NEEDS_TURNS, WHITENS
-from gyre.algos.turns import Turns, self_loop_turns
+from gyre.algos import Turns, get_estimator
+from gyre.algos.turns import self_loop_turns
 from gyre.checkpoint.resume import Checkpointer, check_parameters_finite
 from gyre.checkpoint.snapshot import load_into, seed_everything
-from gyre.config import AlgoConfig, Config
+from gyre.config import Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state
 from gyre.models.vision import vision_of
@@ -132,7 +132,8 @@ class Trainer:
         scoring = ScoringOptions.from_perf(cfg.perf)
         if self.scheduler is not None:
             m["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        est_kw = _estimator_kw(algo, trajs)  # per episode (turn estimators read its turns)
+        needs_turns = get_estimator(algo.advantage).needs_turns
+        turns = Turns.of(trajs) if needs_turns else None  # per episode, before expand_steps
         trajs, episodes = expand_steps(trajs)  # step-wise samples -> rows (trainer/stepwise.py)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
@@ -143,14 +144,10 @@ class Trainer:
                 self.model, batch, train, self.ref_model, self.value_model, scoring=scoring
             )
         )
-        adv, adv_m = batch_advantages(
-            algo.advantage, shaped, groups, batch, train,
-            eps=cfg.train.adv_eps, gamma=algo.discount, lam=algo.lam, episodes=episodes,
-            **est_kw,
-        )  # fmt: skip
+        adv, adv_m = batch_advantages(algo.advantage, shaped, groups, batch, train, episodes, turns)
         m.update(adv_m)
-        if algo.advantage in NEEDS_TURNS and algo.self_loop_advantage != "keep":
-            loops = [x for row in self_loop_turns(est_kw["turns"]) for x in row]
+        if turns is not None and algo.self_loop_advantage != "keep":
+            loops = [x for row in self_loop_turns(turns) for x in row]
             m["train/self_loop_turn_frac"] = sum(loops) / max(len(loops), 1)
         gen = torch.Generator()
         gen.manual_seed(cfg.run.seed * 100_003 + step)
@@ -234,18 +231,6 @@ class Trainer:
         if self.value_model is not None:
             self.value_model.load(ckpt)
         return state
-
-
-def _estimator_kw(algo: AlgoConfig, trajs: list[Trajectory]) -> dict[str, Any]:
-    """The estimator keywords beyond eps / gamma / lam that ``algo.advantage`` reads."""
-    if algo.advantage in NEEDS_TURNS:
-        kw: dict[str, Any] = {"turns": Turns.of(trajs), "self_loops": algo.self_loop_advantage}
-        if algo.advantage == "gigpo":
-            kw.update(step_weight=algo.gigpo_step_weight, step_norm=algo.gigpo_step_norm)
-        return kw
-    if algo.advantage in WHITENS:
-        return {"whiten_std": algo.whiten_std}
-    return {}
 
 
 def _join_group(

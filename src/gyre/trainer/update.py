@@ -37,19 +37,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from gyre.algos import (
-    TOKEN_LEVEL,
+    AdvantageInputs,
+    AdvantageSettings,
     StepCounts,
+    Turns,
     agg_weights,
     compute_advantages,
+    get_estimator,
     get_kl_fn,
     masked_token_sum,
 )
-from gyre.algos.advantages import NEEDS_TURNS
 from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
 from gyre.trainer.batch import TokenBatch, consecutive_slices, micro_batches, token_logprobs
@@ -221,30 +222,40 @@ def _old_logprobs_of_rows(
 
 
 # -- 2. advantages -------------------------------------------------------------------------------
+def advantage_settings(train: TrainConfig) -> AdvantageSettings:
+    """The estimators' numbers from the config (``train.adv_eps``, ``train.algo.*``)."""
+    a = train.algo
+    return AdvantageSettings(
+        eps=train.adv_eps,
+        gamma=a.discount,
+        lam=a.lam,
+        step_weight=a.gigpo_step_weight,
+        step_norm=a.gigpo_step_norm,
+        whiten_std=a.whiten_std,
+        self_loops=a.self_loop_advantage,
+    )
+
+
 def batch_advantages(
     name: str,
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     batch: TokenBatch,
     train: TrainConfig,
-    *,
-    eps: float | None = None,
-    gamma: float | None = None,
-    lam: float | None = None,
     episodes: torch.Tensor | None = None,
-    **estimator: Any,
+    turns: Turns | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages (B,) or (B, T) for ``batch``; value targets land in ``batch.extras``.
 
-    ``episodes`` (B,): step-wise rows' episode index (:mod:`gyre.trainer.stepwise`): the
-    outcome estimator runs on episodes and each row gets its episode's advantage.
-
-    ``eps``, ``gamma``, ``lam`` default to ``train.adv_eps``, ``train.algo.gamma`` / ``lam``;
-    ``estimator``: further keywords of :func:`gyre.algos.compute_advantages` (``turns``, ...).
+    The estimator's numbers come from ``train`` (:func:`advantage_settings`). ``episodes`` (B,):
+    step-wise rows' episode index (:mod:`gyre.trainer.stepwise`): the outcome estimator runs on
+    episodes and each row gets its episode's advantage. ``turns``: the episodes' turns, which
+    the turn estimators (``gigpo``, ``turn_returns``) read.
     KL in the reward (``kl_in == 'reward'``, needs ``ref_logprobs`` from :func:`prepare_batch`):
     token estimators get -kl_coef * KL_t per policy token; outcome estimators get the reward
     minus kl_coef * sum_t KL_t (the sequence's KL).
     """
+    est, settings = get_estimator(name), advantage_settings(train)
     metrics: dict[str, float] = {}
     token_rewards = None
     mask = batch.loss_mask
@@ -254,35 +265,25 @@ def batch_advantages(
         old = batch.extras.get("old_logprobs", batch.rollout_logprobs)
         kl = get_kl_fn(train.algo.kl_type)(old, batch.extras["ref_logprobs"]) * mask  # (B, T)
         metrics["train/kl"] = float(kl.sum() / mask.sum().clamp(min=1))
-        if name in TOKEN_LEVEL:
+        if est.token_level:
             token_rewards = -train.kl_coef * kl
         elif episodes is not None:
             penalty = train.kl_coef * kl.sum(dim=1)
         else:
             rewards = rewards - train.kl_coef * kl.sum(dim=1)
     if episodes is not None:
-        if name in NEEDS_TURNS:  # turn-level credit: turn k of an episode is its k-th row
-            adv = turn_row_advantages(
-                name, rewards, group_ids, episodes, train, eps, gamma, estimator
-            )
+        if est.needs_turns:  # turn-level credit: turn k of an episode is its k-th row
+            adv = turn_row_advantages(name, rewards, group_ids, episodes, turns, settings)
             return adv.to(mask.device), metrics
-        if name in TOKEN_LEVEL:
+        if est.token_level:
             raise ValueError(f"step-wise samples need an outcome or turn estimator, not {name!r}")
-        e = train.adv_eps if eps is None else eps
-        fn = lambda r, g: compute_advantages(name, r, g, eps=e)[0]  # noqa: E731
+        fn = lambda r, g: compute_advantages(name, r, g, settings=settings)[0]  # noqa: E731
         adv = episode_advantages(fn, rewards, penalty, group_ids, episodes)
         return adv.to(mask.device), metrics
+    values = batch.extras.get("values")
+    inputs = AdvantageInputs(mask, token_rewards, values, turns)
     adv, returns = compute_advantages(
-        name,
-        rewards.cpu() if name not in TOKEN_LEVEL else rewards,
-        group_ids,
-        loss_mask=mask,
-        token_rewards=token_rewards,
-        values=batch.extras.get("values"),
-        eps=train.adv_eps if eps is None else eps,
-        gamma=train.algo.discount if gamma is None else gamma,
-        lam=train.algo.lam if lam is None else lam,
-        **estimator,
+        name, rewards if est.token_level else rewards.cpu(), group_ids, inputs, settings
     )
     if returns is not None:
         batch.extras["returns"] = returns
