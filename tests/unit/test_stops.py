@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gyre.config import load_config
+from gyre.engines.base import EngineFeatures
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.rollout.core import run_stops, sampling_params
 from gyre.rollout.episodes import demonstrate, run_episodes, stop_ids
@@ -20,6 +21,7 @@ class ScriptedEngine:
     """Answers every request with the next completion of ``script`` (finish "length")."""
 
     version = 0
+    features = EngineFeatures()
 
     def __init__(self, script: list[list[int]]) -> None:
         self.script = list(script)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gyre.config import Config
+from gyre.engines.base import Engine
 from gyre.engines.factory import build_engine, initial_sync, run_torch_engine
 from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
@@ -103,12 +104,12 @@ def greedy_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     return {"rollout/greedy_success_rate": float(np.mean([t.success for t in greedy]))}
 
 
-def recorded_source(cfg: Config, tokenizer: Any, engine: Any) -> RecordedSource | None:
+def recorded_source(cfg: Config, tokenizer: Any, engine: Engine) -> RecordedSource | None:
     """``train.source``'s recording, checked against the run's vocab and sampling."""
     if not cfg.train.source:
         return None
-    s, model = cfg.train.sampling, getattr(engine, "model", None)
-    vocab = max(len(tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0)))
+    s, config = cfg.train.sampling, engine.model.config if engine.features.in_process else None
+    vocab = max(len(tokenizer), int(getattr(config, "vocab_size", 0)))
     src = RecordedSource(cfg.train.source, cfg.train.group_size, vocab, s.temperature, s.top_p)
     print(src.describe(), flush=True)
     return src
@@ -134,7 +135,7 @@ class Rollout:
     def __init__(
         self,
         cfg: Config,
-        engine: Any,
+        engine: Engine,
         tokenizer: Any,
         syncer: WeightSync | None = None,
         rewarder: Any = None,
@@ -172,7 +173,7 @@ class Rollout:
         gets a copy (or, with ``engine.weight_sync=shared``, the very same parameters).
         """
         if owns_model and cfg.engine.kind == "torch":
-            engine: Any = run_torch_engine(cfg, model, tokenizer)
+            engine: Engine = run_torch_engine(cfg, model, tokenizer)
             syncer = None
         else:
             engine, syncer = build_engine(cfg, model, tokenizer, run_dir)
@@ -205,7 +206,7 @@ class Rollout:
         cfg, G = self.cfg, self.cfg.train.group_size
         stats = RolloutStats()
         if self.recorded is not None:  # scored already: the agent's or --reward-fn's reward
-            return self.recorded.play(tasks, m, int(getattr(self.engine, "version", 0))), stats
+            return self.recorded.play(tasks, m, int(self.engine.version)), stats
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         params = sampling_params(cfg, self.tokenizer, seed, self.chat)
         greedy = cfg.train.sampling.greedy_per_group
@@ -292,8 +293,7 @@ class Rollout:
 
     def generators(self) -> dict[str, Any]:
         """RNG state that carries from step to step (the in-process engine's sampler)."""
-        gen = getattr(self.engine, "_generator", None)
-        return {"engine": gen} if gen is not None else {}
+        return {"engine": self.engine.generator} if self.engine.features.in_process else {}
 
     def start_sync(self, model: torch.nn.Module, sft_base: Path | None) -> None:
         """Before the first rollout of a disk-synced run, give every engine the policy."""
@@ -322,5 +322,5 @@ class Rollout:
             self.toolbox.close()
         if self.rewarder is not None:
             self.rewarder.close()
-        if hasattr(self.engine, "close"):
+        if self.engine.features.remote:
             self.engine.close()

@@ -115,7 +115,7 @@ def run_episodes(
     step-wise sample (``Trajectory.steps``).
     """
     t0 = time.perf_counter()
-    if retry_temperature and not getattr(engine, "per_request_temperature", False):
+    if retry_temperature and not engine.features.per_request_temperature:
         raise ValueError(
             f"train.sampling.retry_temperature: engine {type(engine).__name__} cannot sample a "
             "request at its own temperature (no per_request_temperature)"
@@ -124,7 +124,7 @@ def run_episodes(
         make_env, tokenizer, task_seeds, group_size, params, chat, retry_temperature, window
     )
     start = [i for i in range(eps.n) if i not in eps.failed]  # episodes whose reset succeeded
-    if continuous and hasattr(engine, "generate_continuous"):
+    if continuous and engine.features.continuous:
         # Continuous batching: an episode's next turn joins the running batch the moment its
         # action is done, instead of waiting for every other episode's turn to finish.
         episode_of = list(start)
