@@ -36,7 +36,7 @@ from gyre.envs.record import trained_on
 from gyre.models.build import load_pretrained
 from gyre.models.vision import freeze_vision, vision_of
 from gyre.rollout.core import STREAM_SFT, run_stops
-from gyre.rollout.episodes import demonstrate
+from gyre.rollout.demonstrate import demonstrate
 from gyre.rollout.evaluate import train_seed, validation_seeds
 from gyre.rollout.tools import message_mode
 from gyre.rollout.window import window_of

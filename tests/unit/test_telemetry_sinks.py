@@ -193,7 +193,7 @@ def test_maze_render_episode_follows_the_env():
 
 
 def test_sample_writer_fraction_determinism_and_maze(tmp_path, tokenizer):
-    from gyre.rollout.episodes import demonstrate
+    from gyre.rollout.demonstrate import demonstrate
 
     make_env = MazeEnv
     rng = np.random.default_rng(0)
@@ -283,7 +283,7 @@ def test_wandb_sink_calls(tmp_path, monkeypatch):
 
 
 def test_samples_jsonl_stays_strict_json_with_non_finite_rewards(tmp_path, tokenizer):
-    from gyre.rollout.episodes import demonstrate
+    from gyre.rollout.demonstrate import demonstrate
 
     rng = np.random.default_rng(0)
     trajs = [demonstrate(MazeEnv, tokenizer, 100 + k, 0.0, rng) for k in range(3)]

@@ -15,7 +15,8 @@ from gyre.envs import env_factory
 from gyre.envs.maze import MazeEnv
 from gyre.models.vision import load_vlm, vision_of
 from gyre.rollout.chat import ChatMode, ChatTemplate
-from gyre.rollout.episodes import demonstrate, run_episodes
+from gyre.rollout.demonstrate import demonstrate
+from gyre.rollout.episodes import run_episodes
 from gyre.telemetry.frames import replay_frames
 from gyre.types import SamplingParams
 from vision_helpers import tiny_vlm

@@ -12,7 +12,8 @@ from gyre.config import load_config
 from gyre.engines.torch_engine import TorchEngine
 from gyre.envs.maze import MazeEnv
 from gyre.rollout.chat import ChatMode, ChatTemplate
-from gyre.rollout.episodes import demonstrate, run_episodes
+from gyre.rollout.demonstrate import demonstrate
+from gyre.rollout.episodes import run_episodes
 from gyre.rollout.window import Window, window_messages
 from gyre.trainer.batch import collate, token_logprobs
 from gyre.trainer.stepwise import expand_steps, turn_row_advantages

@@ -14,7 +14,7 @@ from typing import Any
 from gyre.config import Config
 from gyre.engines.base import Engine
 from gyre.errors import InputError
-from gyre.rollout.episodes import prompt_ids
+from gyre.rollout.transcript import prompt_ids
 
 
 def context_limit(engine: Engine) -> int | None:

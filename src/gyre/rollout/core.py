@@ -17,6 +17,7 @@ seed ``train_seed(run.seed, STREAM_GRPO, i)``; every trajectory gets ``group_id 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from gyre.rewards import build_rewarder
 from gyre.rollout.chat import ChatMode
 from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
-from gyre.rollout.episodes import RolloutStats, run_episodes
+from gyre.rollout.episodes import EpisodeOptions, RolloutStats, run_episodes
 from gyre.rollout.evaluate import evaluate, train_seed
 from gyre.rollout.recorded import RecordedSource
 from gyre.rollout.replay import LevelReplay
@@ -210,19 +211,19 @@ class Rollout:
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         params = sampling_params(cfg, self.tokenizer, seed, self.chat)
         greedy = cfg.train.sampling.greedy_per_group
-        trajs = run_episodes(
-            self.make_env, self.engine, self.tokenizer, seeds, G - greedy, params, stats,
-            continuous=cfg.perf.continuous, chat=self.chat,
-            retry_temperature=cfg.train.sampling.retry_temperature, window=self.window,
-        )  # fmt: skip
+        mode: EpisodeOptions = {
+            "continuous": cfg.perf.continuous,
+            "chat": self.chat,
+            "window": self.window,
+            "group_ids": tasks,  # a task's index in the run's task stream is its group
+        }
+        play = functools.partial(run_episodes, self.make_env, self.engine, self.tokenizer, seeds)
+        retry = cfg.train.sampling.retry_temperature
+        trajs = play(G - greedy, params, stats, retry_temperature=retry, **mode)
         if greedy:
-            trajs = with_greedy_episodes(trajs, run_episodes(
-                self.make_env, self.engine, self.tokenizer, seeds, 1,
-                dataclasses.replace(params, temperature=0.0), stats,
-                continuous=cfg.perf.continuous, chat=self.chat, window=self.window,
-            ))  # fmt: skip
+            greedy_params = dataclasses.replace(params, temperature=0.0)
+            trajs = with_greedy_episodes(trajs, play(1, greedy_params, stats, **mode))
         for i, t in enumerate(trajs):
-            t.group_id = tasks[i // G]
             t.traj_id = f"{t.group_id}:{i % G}"
         if self.rewarder is not None:  # t.reward becomes the weighted total
             m = {} if m is None else m

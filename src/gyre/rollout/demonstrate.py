@@ -1,0 +1,142 @@
+"""Demonstrations for SFT: an env's noisy expert plays an episode, tokenised exactly as a
+rollout would tokenise it (the same observation encoding, stops and chat rendering)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from gyre.envs.base import Demonstrator, Env
+from gyre.rollout.chat import ChatEpisode, ChatMode
+from gyre.rollout.stops import derive_stops
+from gyre.rollout.transcript import encode_obs, turn_sample
+from gyre.rollout.window import Window
+from gyre.types import Completion, Trajectory
+
+
+def demonstrate(
+    make_env: Callable[[], Env],
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    noise: float,
+    rng: np.random.Generator,
+    train_on_noise: bool = False,
+    terminator: Sequence[int] | None = None,
+    chat: ChatMode | None = None,
+    window: Window | None = None,
+) -> Trajectory:
+    """One noisy-expert episode, tokenised exactly as a rollout would be.
+
+    With probability ``noise`` a turn's action is random instead of the expert's. The loss mask
+    is 1 on expert actions; random ones are masked out unless ``train_on_noise`` (they still
+    shape the states the demonstration visits, so SFT sees recoveries from mistakes). Every
+    action ends with ``terminator``: the ids the rollout stops at (default: the derived
+    :attr:`gyre.rollout.stops.Stops.terminator`, the newline where it is one token; in message
+    mode the chat template's end-of-turn token).
+
+    ``chat``: a message-mode env, rendered through the rollout's own :class:`ChatEpisode` and
+    :meth:`ChatMode.advance` (see :func:`_demonstrate_chat`).
+    ``window`` (raw mode; message mode: the chat mode's): each turn is also a sample of its own
+    (``steps``), its prompt the window a rollout would have given the model, its mask the
+    turn's (0 on a random move unless ``train_on_noise``).
+    """
+    env = make_env()
+    if not isinstance(env, Demonstrator):
+        raise TypeError(f"{type(env).__name__} cannot demonstrate (no expert_action/random_action)")
+    if chat is not None:
+        return _demonstrate_chat(env, chat, seed, noise, rng, train_on_noise, terminator)
+    newline = list(derive_stops(tokenizer).terminator if terminator is None else terminator)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    first = encode_obs(tokenizer, env.reset(seed))
+    ids = bos + first
+    mask = [0] * len(ids)
+    segs, steps = [first], []
+    total, turns, info = 0.0, 0, {}
+    while True:
+        noisy = rng.random() < noise
+        text = env.random_action(rng) if noisy else env.expert_action(rng)
+        act = encode_obs(tokenizer, text) + newline
+        m = 0 if noisy and not train_on_noise else 1
+        if window is not None:
+            prompt = bos + [t for seg in window.select(segs) for t in seg]
+            steps.append(turn_sample(prompt, act, [0.0] * len(act), "stop"))
+            steps[-1].loss_mask[len(prompt) :] = [m] * len(act)
+        ids += act
+        mask += [m] * len(act)
+        obs, r, done, info = env.step(text)
+        total += r
+        turns += 1
+        if done:
+            break
+        obs_ids = encode_obs(tokenizer, obs)
+        ids += obs_ids
+        mask += [0] * len(obs_ids)
+        segs += [act, obs_ids]
+    return Trajectory(
+        token_ids=ids,
+        loss_mask=mask,
+        rollout_logprobs=[0.0] * len(ids),
+        reward=total,
+        group_id=0,
+        policy_version=-1,
+        num_turns=turns,
+        success=bool(info.get("success", False)),
+        task_seed=seed,
+        info=info,
+        steps=steps or None,
+    )
+
+
+def _demonstrate_chat(
+    env: Any,
+    chat: ChatMode,
+    seed: int,
+    noise: float,
+    rng: np.random.Generator,
+    train_on_noise: bool,
+    terminator: Sequence[int] | None,
+) -> Trajectory:
+    """A message-mode demonstration: the demonstrator's replies go through the very code a
+    rollout's sampled replies go through (:meth:`ChatEpisode.reply`, then
+    :meth:`ChatMode.advance` for the env's answer, its images expanded once), so the ids, the
+    loss mask and the images are what :func:`run_episodes` would record had the policy sampled
+    those replies (each the tokenizer's encoding of the text, then the end-of-turn token). The
+    loss mask is 1 on the replies and their terminator only; the template's glue and every
+    observation (image tokens included) are 0. The whole conversation is one sample, as
+    without ``rollout.stepwise``; with a window (``chat.window``) each turn is a sample too
+    (``steps``), its prompt the turn's window."""
+    tpl = chat.template
+    end = list(terminator) if terminator is not None else [tpl.end_id]
+    ep = ChatEpisode(tpl, stepwise=chat.window is not None, window=chat.window)
+    ids = ep.start(env.reset(seed))
+    mask = [0] * len(ids)
+    total, turns, info = 0.0, 0, {}
+    while True:
+        noisy = rng.random() < noise
+        text = env.random_action(rng) if noisy else env.expert_action(rng)
+        act = tpl.encode(text) + end
+        m = 0 if noisy and not train_on_noise else 1
+        ids += act
+        mask += [m] * len(act)
+        ep.reply(Completion(act, [0.0] * len(act), "stop"))
+        if ep.stepwise:
+            step = ep.steps[-1]
+            step.loss_mask[len(step.loss_mask) - len(act) :] = [m] * len(act)
+        msgs, r, done, info = env.step(text)
+        total += r
+        turns += 1
+        obs_ids, stop = chat.advance(ep, msgs, done, turns, len(ids))
+        ids += obs_ids
+        mask += [0] * len(obs_ids)
+        if stop is not None:
+            info = {**info, **stop}
+            break
+    return Trajectory(
+        token_ids=ids, loss_mask=mask, rollout_logprobs=[0.0] * len(ids), reward=total,
+        group_id=0, policy_version=-1, num_turns=turns,
+        success=bool(info.get("success", False)), task_seed=seed, info=info,
+        images=list(ep.images), steps=ep.steps or None,
+    )  # fmt: skip
