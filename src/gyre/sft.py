@@ -60,23 +60,35 @@ def demonstrations(
     and nothing is cached (image envs take minutes to play thousands)."""
     play, vision = _Player(cfg, tokenizer), vision_of(tokenizer)
     rng = np.random.default_rng([cfg.run.seed, STREAM_SFT])
-    key = {"seed": cfg.run.seed, "env": cfg.env.model_dump(), "n": cfg.sft.demos,
-           "noise": cfg.sft.noise, "vocab": tokenizer.get_vocab(),
-           "successful_only": cfg.sft.successful_only,
-           "terminator": list(play.terminator)}  # fmt: skip
+    key = {
+        "seed": cfg.run.seed,
+        "env": cfg.env.model_dump(),
+        "n": cfg.sft.demos,
+        "noise": cfg.sft.noise,
+        "vocab": tokenizer.get_vocab(),
+        "successful_only": cfg.sft.successful_only,
+        "terminator": list(play.terminator),
+    }
     if cfg.rollout.history_turns is not None:  # each demonstration's turn samples
         key["window"] = [cfg.rollout.history_turns, cfg.rollout.keep_opening]
     if play.chat is not None:  # the rendering depends on the template, the limits, the image side
-        key["chat"] = {"template": tokenizer.chat_template, "rollout": cfg.rollout.model_dump(),
-                       "images": vision.image_processor.to_dict() if vision else None}  # fmt: skip
+        key["chat"] = {
+            "template": tokenizer.chat_template,
+            "rollout": cfg.rollout.model_dump(),
+            "images": vision.image_processor.to_dict() if vision else None,
+        }
     demos = cached(
         run_dir / "sft_demos.pt",
         key,
-        lambda: _pack_images(_demos(
-            lambda k: play(train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng),
-            cfg.sft.demos, cfg.sft.successful_only, stop,
-        )),
-    )  # fmt: skip
+        lambda: _pack_images(
+            _demos(
+                lambda k: play(train_seed(cfg.run.seed, STREAM_SFT, k), cfg.sft.noise, rng),
+                cfg.sft.demos,
+                cfg.sft.successful_only,
+                stop,
+            )
+        ),
+    )
     return _unpack_images(demos)
 
 
@@ -102,9 +114,15 @@ class _Player:
 
     def __call__(self, seed: int, noise: float, rng: np.random.Generator) -> Trajectory:
         return demonstrate(
-            self.make_env, self.tokenizer, seed, noise, rng,
-            terminator=self.terminator, chat=self.chat, window=self.window,
-        )  # fmt: skip
+            self.make_env,
+            self.tokenizer,
+            seed,
+            noise,
+            rng,
+            terminator=self.terminator,
+            chat=self.chat,
+            window=self.window,
+        )
 
 
 def validation_demos(cfg: Config, tokenizer: Any) -> list[Trajectory]:

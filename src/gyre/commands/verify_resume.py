@@ -273,8 +273,19 @@ def verify_resume(
     # 2. the killed run
     t0 = time.perf_counter()
     log = work / "killed.log"
-    _kill_rounds(args, work, killed, log, _kill_plan(rng, lines, kills), step_s, timeout, fork,
-                 report, rng, say)  # fmt: skip
+    _kill_rounds(
+        args,
+        work,
+        killed,
+        log,
+        _kill_plan(rng, lines, kills),
+        step_s,
+        timeout,
+        fork,
+        report,
+        rng,
+        say,
+    )
     say("[verify-resume] resuming to the end")
     proc = _launch([*args, "run.resume=auto"], killed, log, {}, fork)
     rc = _wait(proc, timeout)
@@ -305,10 +316,18 @@ def _kill_plan(rng: np.random.Generator, lines: int, kills: int) -> list[tuple[s
 
 
 def _kill_rounds(
-    args: list[str], work: Path, killed: Path, log: Path, plan: list[tuple[str, int]],
-    step_s: float, timeout: float, fork: bool, report: VerifyReport, rng: np.random.Generator,
+    args: list[str],
+    work: Path,
+    killed: Path,
+    log: Path,
+    plan: list[tuple[str, int]],
+    step_s: float,
+    timeout: float,
+    fork: bool,
+    report: VerifyReport,
+    rng: np.random.Generator,
     say: Any,
-) -> None:  # fmt: skip
+) -> None:
     """Launch (resume=auto) and kill the run once per entry of ``plan``, recording events."""
     for kind, target in plan:
         before = _progress(killed)

@@ -51,9 +51,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if first is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None,
-                    f"duplicate key {key!r} (first on line {first})", key_node.start_mark,
-                )  # fmt: skip
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first on line {first})",
+                    key_node.start_mark,
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 

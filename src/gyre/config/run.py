@@ -289,8 +289,14 @@ class DatasetConfig(_Section):
 
 
 BUILTIN_ENVS = (
-    "maze", "arithmetic", "dataset", "gymnasium", "reasoning_gym", "visual_maze", "minigrid"
-)  # fmt: skip
+    "maze",
+    "arithmetic",
+    "dataset",
+    "gymnasium",
+    "reasoning_gym",
+    "visual_maze",
+    "minigrid",
+)
 
 
 class EnvConfig(_Section):

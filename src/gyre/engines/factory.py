@@ -33,9 +33,12 @@ def run_torch_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> Tor
     options and the tokenizer's image side (None for text models). Every in-process engine of a
     run is built here: the loop's, the Ray rollout workers', ``gyre eval``'s."""
     return TorchEngine(
-        model, tokenizer.pad_token_id, seed=cfg.run.seed, vision=vision_of(tokenizer),
+        model,
+        tokenizer.pad_token_id,
+        seed=cfg.run.seed,
+        vision=vision_of(tokenizer),
         **torch_engine_options(cfg.perf),
-    )  # fmt: skip
+    )
 
 
 def build_engine(

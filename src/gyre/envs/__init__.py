@@ -61,12 +61,20 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
     if cfg.name == "maze":
         m = cfg.maze
         return lambda: MazeEnv(
-            m.size, m.wall_density, m.min_distance, m.budget_factor, m.view, m.observation,
-            demonstrator=m.demonstrator, bump_feedback=m.bump_feedback,
-            closer_mark=m.closer_mark, offset_letters=m.offset_letters,
-            noise_moves=m.noise_moves, exit_order=m.exit_order,
+            m.size,
+            m.wall_density,
+            m.min_distance,
+            m.budget_factor,
+            m.view,
+            m.observation,
+            demonstrator=m.demonstrator,
+            bump_feedback=m.bump_feedback,
+            closer_mark=m.closer_mark,
+            offset_letters=m.offset_letters,
+            noise_moves=m.noise_moves,
+            exit_order=m.exit_order,
             demonstrator_mix=m.demonstrator_mix,
-        )  # fmt: skip
+        )
     if cfg.name == "arithmetic":
         a = cfg.arithmetic
         return lambda: ArithmeticEnv(a.max_operand, a.ops)

@@ -85,15 +85,21 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tools=self.tools, add_generation_prompt=generation_prompt,
-            tokenize=False, **self.kwargs,
-        )  # fmt: skip
+            list(messages),
+            tools=self.tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **self.kwargs,
+        )
 
     def render_ids(self, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(
-            list(messages), tools=self.tools, add_generation_prompt=generation_prompt,
-            tokenize=True, **self.kwargs,
-        )  # fmt: skip
+            list(messages),
+            tools=self.tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            **self.kwargs,
+        )
         return _ids(out)
 
     def encode(self, text: str) -> list[int]:
@@ -207,12 +213,19 @@ class ChatEpisode:
             p = self.turn_prompt
             self.steps.append(
                 Trajectory(
-                    token_ids=p + ids, loss_mask=[0] * len(p) + [1] * len(ids),
-                    rollout_logprobs=[0.0] * len(p) + list(out.logprobs), reward=0.0,
-                    group_id=0, policy_version=-1, num_turns=1, success=False, task_seed=0,
-                    truncated=out.finish_reason == "length", images=list(self.prompt_images),
+                    token_ids=p + ids,
+                    loss_mask=[0] * len(p) + [1] * len(ids),
+                    rollout_logprobs=[0.0] * len(p) + list(out.logprobs),
+                    reward=0.0,
+                    group_id=0,
+                    policy_version=-1,
+                    num_turns=1,
+                    success=False,
+                    task_seed=0,
+                    truncated=out.finish_reason == "length",
+                    images=list(self.prompt_images),
                 )
-            )  # fmt: skip
+            )
         return content
 
     def observe(self, new: Sequence[Message]) -> list[int]:

@@ -66,9 +66,13 @@ def sampling_params(
 ) -> SamplingParams:
     s, stops = cfg.train.sampling, run_stops(cfg, tokenizer, chat)
     return SamplingParams(
-        s.temperature, s.top_p, s.max_new_tokens, stops.token_ids, seed,
+        s.temperature,
+        s.top_p,
+        s.max_new_tokens,
+        stops.token_ids,
+        seed,
         stop_strings=stops.strings,
-    )  # fmt: skip
+    )
 
 
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
@@ -262,9 +266,11 @@ class Rollout:
         dapo = cfg.train.dapo
         with timed(m, "time/rollout_s"):
             trajs, dapo_m = sample_groups(
-                round_, cfg.train.tasks_per_step, dynamic=dapo.dynamic_sampling,
+                round_,
+                cfg.train.tasks_per_step,
+                dynamic=dapo.dynamic_sampling,
                 max_rounds=dapo.max_rounds,
-            )  # fmt: skip
+            )
         m.update(dapo_m)
         m["perf/rollout_tokens_per_s"] = totals.tokens_per_s
         return trajs, m
@@ -279,12 +285,24 @@ class Rollout:
         stops = run_stops(cfg, self.tokenizer, self.chat)
         for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
             if n:
-                out.update(evaluate(
-                    self.engine, self.make_env, self.tokenizer, n, s.temperature,
-                    s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed,
-                    top_p=s.top_p, split=split, continuous=cfg.perf.continuous, stops=stops,
-                    chat=self.chat, window=self.window,
-                ))  # fmt: skip
+                out.update(
+                    evaluate(
+                        self.engine,
+                        self.make_env,
+                        self.tokenizer,
+                        n,
+                        s.temperature,
+                        s.max_new_tokens,
+                        sampled=cfg.eval.sampled,
+                        seed=cfg.run.seed,
+                        top_p=s.top_p,
+                        split=split,
+                        continuous=cfg.perf.continuous,
+                        stops=stops,
+                        chat=self.chat,
+                        window=self.window,
+                    )
+                )
         return out
 
     # -- weights ------------------------------------------------------------------------------

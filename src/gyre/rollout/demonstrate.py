@@ -135,8 +135,16 @@ def _demonstrate_chat(
             info = {**info, **stop}
             break
     return Trajectory(
-        token_ids=ids, loss_mask=mask, rollout_logprobs=[0.0] * len(ids), reward=total,
-        group_id=0, policy_version=-1, num_turns=turns,
-        success=bool(info.get("success", False)), task_seed=seed, info=info,
-        images=list(ep.images), steps=ep.steps or None,
-    )  # fmt: skip
+        token_ids=ids,
+        loss_mask=mask,
+        rollout_logprobs=[0.0] * len(ids),
+        reward=total,
+        group_id=0,
+        policy_version=-1,
+        num_turns=turns,
+        success=bool(info.get("success", False)),
+        task_seed=seed,
+        info=info,
+        images=list(ep.images),
+        steps=ep.steps or None,
+    )

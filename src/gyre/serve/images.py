@@ -60,8 +60,9 @@ def chat_ids(
         for k, p in enumerate(content if isinstance(content, list) else []):
             if getattr(p, p.type) is None:
                 field = f"messages.{i}.content.{k}"
-                raise ApiError(400, f"{field}: a part of type {p.type!r} needs a {p.type!r} "
-                               "field", field)  # fmt: skip
+                raise ApiError(
+                    400, f"{field}: a part of type {p.type!r} needs a {p.type!r} field", field
+                )
         if not isinstance(content, list) or all(p.type == "text" for p in content):
             msgs.append(_message(m))
             continue
@@ -81,8 +82,9 @@ def chat_ids(
             msgs, tools=tools or None, add_generation_prompt=True, tokenize=False
         )
     except Exception as exc:  # jinja2's TemplateError, or a template's raise_exception
-        raise ApiError(400, f"the model's chat template refused the messages: {exc}",
-                       "messages") from exc  # fmt: skip
+        raise ApiError(
+            400, f"the model's chat template refused the messages: {exc}", "messages"
+        ) from exc
     try:
         return vision.expand(text, images, "messages"), images
     except ValueError as exc:
@@ -104,8 +106,9 @@ def generate_ids(v: Vocab, body: GenerateBody) -> tuple[list[list[int]], list[np
         have = sum(1 for t in ids if t == vision.image_token_id)
         need = sum(vision.num_tokens(im) for im in images)
         if have != need and have == len(images):  # one placeholder per image: expand them
-            text = v.tokenizer.decode(ids, skip_special_tokens=False,
-                                          clean_up_tokenization_spaces=False)  # fmt: skip
+            text = v.tokenizer.decode(
+                ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
             ids = vision.expand(text, images, "input_ids")
         vision.check(ids, images, "input_ids")
     except ValueError as exc:

@@ -101,9 +101,12 @@ class Segment:
 
     def as_record(self) -> dict[str, Any]:
         return {
-            "token_ids": self.ids, "loss_mask": self.mask, "rollout_logprobs": self.logprobs,
-            "turn_spans": [list(s) for s in self.spans], "template_drift": self.ep.drift,
-        }  # fmt: skip
+            "token_ids": self.ids,
+            "loss_mask": self.mask,
+            "rollout_logprobs": self.logprobs,
+            "turn_spans": [list(s) for s in self.spans],
+            "template_drift": self.ep.drift,
+        }
 
 
 @dataclass
@@ -138,13 +141,17 @@ class Session:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "session": self.key, "group": self.group, "calls": self.calls,
+            "session": self.key,
+            "group": self.group,
+            "calls": self.calls,
             "segments": len(self.segments),
             "tokens": sum(len(s.ids) for s in self.segments),
             "sampled_tokens": sum(sum(s.mask) for s in self.segments),
-            "rerender_drift_calls": self.drift_calls, "rewrites": self.rewrites,
-            "tool_calls": self.tool_calls, "malformed_tool_calls": self.malformed,
-        }  # fmt: skip
+            "rerender_drift_calls": self.drift_calls,
+            "rewrites": self.rewrites,
+            "tool_calls": self.tool_calls,
+            "malformed_tool_calls": self.malformed,
+        }
 
 
 class RewardBody(BaseModel):
@@ -190,9 +197,15 @@ class Recorder:
         self.reward_fn = reward_fn
         self.sessions: dict[str, Session] = {}
         self._templates: dict[str, ChatTemplate] = {}
-        self.stats = {"episodes": 0, "calls": 0, "unrecorded_calls": 0, "rerender_drift_calls": 0,
-                      "rewrites": 0, "malformed_tool_calls": 0,
-                      "abandoned_episodes": 0}  # fmt: skip
+        self.stats = {
+            "episodes": 0,
+            "calls": 0,
+            "unrecorded_calls": 0,
+            "rerender_drift_calls": 0,
+            "rewrites": 0,
+            "malformed_tool_calls": 0,
+            "abandoned_episodes": 0,
+        }
 
     def template(self, tools: list[dict[str, Any]] | None, key: str) -> ChatTemplate:
         if key not in self._templates:
@@ -227,8 +240,9 @@ class Recorder:
             ep, new, append = self._splice(s, msgs, tpl, tools_key)
             drift = ep.text != tpl.render(msgs, True)
         except Exception as exc:  # jinja2's TemplateError, or a template's raise_exception
-            raise ApiError(400, f"the model's chat template refused the messages: {exc}",
-                           "messages") from exc  # fmt: skip
+            raise ApiError(
+                400, f"the model's chat template refused the messages: {exc}", "messages"
+            ) from exc
         max_new = body.max_completion_tokens or body.max_tokens or 64
         params = sampling_params(host.vocab, body, max_new, k)
         stops = tuple(sorted({*params.stop_token_ids, *tpl.stop_ids()}))
@@ -256,9 +270,14 @@ class Recorder:
         return ep, True, ep.start(msgs)
 
     def commit(
-        self, host: Any, key: str, model: str, body: ChatBody, reqs: list[GenerationRequest],
+        self,
+        host: Any,
+        key: str,
+        model: str,
+        body: ChatBody,
+        reqs: list[GenerationRequest],
         outs: list[Completion],
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         s = self.sessions[key]
         p, out = s.pending, outs[0]
         assert p is not None
@@ -309,15 +328,20 @@ class Recorder:
         if not self.idle_timeout_s:
             return []
         now = time.monotonic() if now is None else now
-        idle = [k for k, s in self.sessions.items()
-                if s.pending is None and now - s.active > self.idle_timeout_s]  # fmt: skip
+        idle = [
+            k
+            for k, s in self.sessions.items()
+            if s.pending is None and now - s.active > self.idle_timeout_s
+        ]
         for key in idle:
             why = f"idle for over {self.idle_timeout_s:g} s"
             if self.reward_fn is not None:
                 try:
                     self.finish(key, None, None)
-                    print(f"gyre serve --record: episode {key!r} {why}: ended, scored by "
-                          "--reward-fn", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"gyre serve --record: episode {key!r} {why}: ended, scored by --reward-fn",
+                        file=sys.stderr,
+                    )
                     continue
                 except ApiError as exc:
                     why += f" (--reward-fn: {exc.message})"
@@ -333,8 +357,7 @@ class Recorder:
             raise ApiError(409, f"session {key!r} has a call in flight", "gyre_session")
         del self.sessions[key]
         self.stats["abandoned_episodes"] += 1
-        print(f"gyre serve --record: episode {key!r} {why}: dropped, not recorded",
-              file=sys.stderr)  # fmt: skip
+        print(f"gyre serve --record: episode {key!r} {why}: dropped, not recorded", file=sys.stderr)
         return {"abandoned": True, **s.summary()}
 
     def finish(self, key: str, reward: float | None, success: bool | None) -> dict[str, Any]:
@@ -361,9 +384,11 @@ class Recorder:
     def _score(self, s: Session, success: bool | None) -> tuple[float, bool | None]:
         if self.reward_fn is None:
             raise ApiError(
-                400, "no reward given and gyre serve has no --reward-fn: post {\"reward\": r} "
-                "to /v1/gyre/episodes/{session}/reward", "reward",
-            )  # fmt: skip
+                400,
+                'no reward given and gyre serve has no --reward-fn: post {"reward": r} '
+                "to /v1/gyre/episodes/{session}/reward",
+                "reward",
+            )
         try:
             got = self.reward_fn([dict(m) for m in s.sent], dict(s.metadata))
         except Exception as exc:  # the user's callback: its error goes back, the episode stays
@@ -380,24 +405,39 @@ class Recorder:
         if others:  # several temperatures in one episode: no single distribution to train at
             temp = top_p = None  # type: ignore[assignment]
         return {
-            "schema": RECORD_SCHEMA, "session": s.key, "group": s.group,
-            "reward": reward, "success": bool(reward > 0) if success is None else success,
-            "policy_version": min(s.versions), "policy_versions": sorted(s.versions),
-            "temperature": temp, "top_p": top_p, "num_calls": s.calls,
-            "truncated": s.truncated, "template_drift": any(g.ep.drift for g in s.segments),
-            "rerender_drift_calls": s.drift_calls, "rewrites": s.rewrites,
-            "tool_calls": s.tool_calls, "malformed_tool_calls": s.malformed,
-            "metadata": s.metadata, "messages": s.sent, "started": s.started,
-            "ended": time.time(), "segments": [g.as_record() for g in s.segments],
-        }  # fmt: skip
+            "schema": RECORD_SCHEMA,
+            "session": s.key,
+            "group": s.group,
+            "reward": reward,
+            "success": bool(reward > 0) if success is None else success,
+            "policy_version": min(s.versions),
+            "policy_versions": sorted(s.versions),
+            "temperature": temp,
+            "top_p": top_p,
+            "num_calls": s.calls,
+            "truncated": s.truncated,
+            "template_drift": any(g.ep.drift for g in s.segments),
+            "rerender_drift_calls": s.drift_calls,
+            "rewrites": s.rewrites,
+            "tool_calls": s.tool_calls,
+            "malformed_tool_calls": s.malformed,
+            "metadata": s.metadata,
+            "messages": s.sent,
+            "started": s.started,
+            "ended": time.time(),
+            "segments": [g.as_record() for g in s.segments],
+        }
 
     def close(self) -> None:
         """At shutdown: score open episodes with ``--reward-fn`` (else say they are lost)."""
         open_ = [k for k, s in self.sessions.items() if s.pending is None]
         if self.reward_fn is None:
             if open_:
-                print(f"gyre serve --record: {len(open_)} episode(s) never got a reward and "
-                      "are not recorded", file=sys.stderr)  # fmt: skip
+                print(
+                    f"gyre serve --record: {len(open_)} episode(s) never got a reward and "
+                    "are not recorded",
+                    file=sys.stderr,
+                )
             return
         for key in open_:
             try:
@@ -408,15 +448,28 @@ class Recorder:
 
 def add_recorder_args(add: Callable[..., Any]) -> None:
     """``gyre serve``'s recording flags (``add`` is the parser's ``add_argument``)."""
-    add("--record", default="", metavar="DIR",
+    add(
+        "--record",
+        default="",
+        metavar="DIR",
         help="record chat calls that name a session (X-Gyre-Session) as episodes in "
-        "DIR/episodes.jsonl, for gyre train train.source=DIR (docs/envs.md)")  # fmt: skip
-    add("--reward-fn", default="", metavar="FILE.py:FN",
+        "DIR/episodes.jsonl, for gyre train train.source=DIR (docs/envs.md)",
+    )
+    add(
+        "--reward-fn",
+        default="",
+        metavar="FILE.py:FN",
         help="with --record: fn(messages, metadata) -> reward, called when an episode ends "
-        "without a posted reward (module:fn also works)")  # fmt: skip
-    add("--session-timeout", type=float, default=3600.0, metavar="SECONDS",
+        "without a posted reward (module:fn also works)",
+    )
+    add(
+        "--session-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
         help="with --record: end an episode idle this long (scored by --reward-fn if given, "
-        "else dropped and counted); 0 keeps idle episodes forever (default 3600)")  # fmt: skip
+        "else dropped and counted); 0 keeps idle episodes forever (default 3600)",
+    )
 
 
 def build_recorder(
@@ -465,8 +518,9 @@ def add_routes(app: Any, batcher: Any, auth: list[Any], rec: Recorder) -> None:
     async def reward(session: str, request: Request) -> Any:
         body = _body(await request.body())
         if body.reward is None:
-            raise ApiError(400, "reward is required here (or POST .../end for --reward-fn)",
-                           "reward")  # fmt: skip
+            raise ApiError(
+                400, "reward is required here (or POST .../end for --reward-fn)", "reward"
+            )
         return await batcher.run_in_prep(rec.finish, session, body.reward, body.success)
 
     @app.post("/v1/gyre/episodes/{session}/end", dependencies=auth)

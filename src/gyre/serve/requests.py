@@ -314,14 +314,14 @@ def chat_prompt(
                 msgs, tools=tools or None, add_generation_prompt=True, tokenize=True
             )
         except Exception as exc:  # jinja2's TemplateError, or a template's raise_exception
-            raise ApiError(400, f"the model's chat template refused the messages: {exc}",
-                           "messages") from exc  # fmt: skip
+            raise ApiError(
+                400, f"the model's chat template refused the messages: {exc}", "messages"
+            ) from exc
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding (not a dict)
             ids = ids["input_ids"]
         return [int(i) for i in ids]
     if tools:
-        raise ApiError(400, "this model has no chat template, so it cannot be given tools",
-                       "tools")  # fmt: skip
+        raise ApiError(400, "this model has no chat template, so it cannot be given tools", "tools")
     # No chat template (the tiny char model): BOS + the contents back to back, no role markers.
     text = "".join(m["content"] for m in msgs)
     ids = tok.encode(text, add_special_tokens=False)
@@ -477,10 +477,13 @@ def assistant_message(text: str, tools: bool) -> tuple[dict[str, Any], int]:
         return {"role": "assistant", "content": text}, max(bad, 1)
     content = text[: text.index("<tool_call>")].strip()
     tool_calls = [
-        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
         for c in calls
-    ]  # fmt: skip
+    ]
     return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, 0
 
 

@@ -153,12 +153,18 @@ class Trainer:
         gen.manual_seed(cfg.run.seed * 100_003 + step)
         comm = self.comm
         upd = policy_update(
-            self.model, self.optimizer, batch, adv, train, self.ref_model, gen,
+            self.model,
+            self.optimizer,
+            batch,
+            adv,
+            train,
+            self.ref_model,
+            gen,
             self.value_model,
             reduce_counts=comm.reduce_counts if comm is not None else None,
             sync_grads=self._sync_grads if comm is not None else None,
             scoring=scoring,
-        )  # fmt: skip
+        )
         m.update(upd)
         check_parameters_finite(self.model, "GRPO", step)  # exit 3, nothing synced or saved
         if self.scheduler is not None:
@@ -220,9 +226,17 @@ class Trainer:
         run's :class:`Checkpointer`; None when the write failed and the policy is to go on."""
         extra = self.value_model.save if self.value_model is not None else None
         return ckpt.save(
-            "grpo", step, self.model, self.tokenizer, self.optimizer, state, metrics_path,
-            self.scheduler, generators, extra=extra,
-        )  # fmt: skip
+            "grpo",
+            step,
+            self.model,
+            self.tokenizer,
+            self.optimizer,
+            state,
+            metrics_path,
+            self.scheduler,
+            generators,
+            extra=extra,
+        )
 
     def restore(self, ckpt: Path, generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Optimizer, RNGs and value model from a checkpoint (the policy was loaded by

@@ -47,11 +47,17 @@ def expand_steps(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], torch.T
         for k, s in enumerate(t.steps or [t]):
             rows.append(
                 replace(
-                    s, reward=t.reward, group_id=t.group_id, policy_version=t.policy_version,
-                    success=t.success, task_seed=t.task_seed, info=t.info, steps=None,
+                    s,
+                    reward=t.reward,
+                    group_id=t.group_id,
+                    policy_version=t.policy_version,
+                    success=t.success,
+                    task_seed=t.task_seed,
+                    info=t.info,
+                    steps=None,
                     traj_id=f"{t.traj_id}/{k}" if t.steps else t.traj_id,
                 )
-            )  # fmt: skip
+            )
             episode.append(e)
     return rows, torch.tensor(episode)
 

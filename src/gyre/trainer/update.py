@@ -399,9 +399,17 @@ def policy_update(
     if value_model is not None and "returns" not in batch.extras:
         raise ValueError("a value model needs value targets: call batch_advantages with 'gae'")
     run = _Run(
-        model, optimizer, train, old_mode, ref_model if kl_loss else None, value_model, trains,
-        reduce_counts, sync_grads, scoring,
-    )  # fmt: skip
+        model,
+        optimizer,
+        train,
+        old_mode,
+        ref_model if kl_loss else None,
+        value_model,
+        trains,
+        reduce_counts,
+        sync_grads,
+        scoring,
+    )
     tally = _Tally()
     model.train()
     minis = _mini_batch_rows(B, train, generator)
