@@ -65,7 +65,10 @@ def _run(base, trajs, pad_id, settings, adv, *, lr=0.5, ref=None, value_model=No
         adv, _ = batch_advantages("gae", rewards, groups, batch, settings)
     else:
         prepare_batch(model, batch, settings, ref)
-    m = policy_update(model, opt, batch, adv, settings, ref, torch.Generator().manual_seed(7), vm)
+    gen = torch.Generator().manual_seed(7)
+    m = policy_update(
+        model, opt, batch, adv, settings, ref_model=ref, generator=gen, value_model=vm
+    )
     return model, m, vm
 
 

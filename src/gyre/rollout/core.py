@@ -35,7 +35,7 @@ from gyre.rollout.chat import ChatMode
 from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
 from gyre.rollout.episodes import EpisodeOptions, RolloutStats, run_episodes
-from gyre.rollout.evaluate import evaluate, train_seed
+from gyre.rollout.evaluate import EvalSettings, evaluate, train_seed
 from gyre.rollout.recorded import RecordedSource
 from gyre.rollout.replay import LevelReplay
 from gyre.rollout.stops import Stops, derive_stops
@@ -282,27 +282,20 @@ class Rollout:
         if self.recorded is not None:  # the agent's tasks are not gyre's to play
             return out
         s = cfg.train.sampling
-        stops = run_stops(cfg, self.tokenizer, self.chat)
+        settings = EvalSettings(
+            s.temperature,
+            s.max_new_tokens,
+            sampled=cfg.eval.sampled,
+            seed=cfg.run.seed,
+            top_p=s.top_p,
+            continuous=cfg.perf.continuous,
+            stops=run_stops(cfg, self.tokenizer, self.chat),
+            chat=self.chat,
+            window=self.window,
+        )
         for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
             if n:
-                out.update(
-                    evaluate(
-                        self.engine,
-                        self.make_env,
-                        self.tokenizer,
-                        n,
-                        s.temperature,
-                        s.max_new_tokens,
-                        sampled=cfg.eval.sampled,
-                        seed=cfg.run.seed,
-                        top_p=s.top_p,
-                        split=split,
-                        continuous=cfg.perf.continuous,
-                        stops=stops,
-                        chat=self.chat,
-                        window=self.window,
-                    )
-                )
+                out.update(evaluate(self.engine, self.make_env, self.tokenizer, n, settings, split))
         return out
 
     # -- weights ------------------------------------------------------------------------------

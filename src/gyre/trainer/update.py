@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict, Unpack
 
 import torch
 
@@ -55,7 +56,7 @@ from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
 from gyre.trainer.batch import TokenBatch, consecutive_slices, micro_batches, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
-from gyre.trainer.loss import micro_batch_loss
+from gyre.trainer.loss import TokenTerms, micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.stepwise import episode_advantages, turn_row_advantages
 
@@ -358,18 +359,24 @@ class _Tally:
         return out
 
 
+class UpdateOptions(TypedDict, total=False):
+    """:func:`policy_update`'s keyword options."""
+
+    ref_model: torch.nn.Module | None  # the KL reference (with a KL loss)
+    generator: torch.Generator | None  # the mini-batch order's random stream
+    value_model: ValueModel | None  # GAE's critic, trained on the batch's returns
+    reduce_counts: Callable[[StepCounts], StepCounts] | None  # data-parallel: the global counts
+    sync_grads: Callable[[torch.nn.Module], None] | None  # data-parallel: sum the gradients
+    scoring: ScoringOptions | None  # how log-probs are computed (perf.*)
+
+
 def policy_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: TokenBatch,
     advantages: torch.Tensor,
     train: TrainConfig,
-    ref_model: torch.nn.Module | None = None,
-    generator: torch.Generator | None = None,
-    value_model: ValueModel | None = None,
-    reduce_counts: Callable[[StepCounts], StepCounts] | None = None,
-    sync_grads: Callable[[torch.nn.Module], None] | None = None,
-    scoring: ScoringOptions | None = None,
+    **options: Unpack[UpdateOptions],
 ) -> dict[str, float]:
     """One rollout batch -> ``ppo_epochs`` x mini-batches optimizer steps.
 
@@ -382,6 +389,8 @@ def policy_update(
     all-reduce (sum) over ranks, so every rank divides by the same global denominators, and
     ``sync_grads`` that sums the gradients over ranks once per optimizer step, before clipping.
     """
+    ref_model, value_model = options.get("ref_model"), options.get("value_model")
+    scoring = options.get("scoring")
     check_mode(train.loss_agg)
     B = batch.input_ids.shape[0]
     old_mode = resolve_old_logprobs(train, B)
@@ -406,13 +415,13 @@ def policy_update(
         ref_model if kl_loss else None,
         value_model,
         trains,
-        reduce_counts,
-        sync_grads,
+        options.get("reduce_counts"),
+        options.get("sync_grads"),
         scoring,
     )
     tally = _Tally()
     model.train()
-    minis = _mini_batch_rows(B, train, generator)
+    minis = _mini_batch_rows(B, train, options.get("generator"))
     for mini_idx in minis:
         _optimizer_step(run, tally, batch, mini_idx, advantages)
     model.eval()
@@ -493,9 +502,8 @@ def _micro_step(
     else:
         old = mb.rollout_logprobs
     ref_logp = _ref_logprobs(run, mb) if run.ref_model is not None else None
-    loss, metrics = micro_batch_loss(
-        train, mb, weights, counts.tokens, logp, old, adv, ent, ref_logp, values
-    )
+    terms = TokenTerms(logp, old, adv, ent, ref_logp, values)
+    loss, metrics = micro_batch_loss(train, mb, weights, counts.tokens, terms)
     loss.backward()
     tally.objective += float(loss.detach())
     tally.add(metrics)
