@@ -121,14 +121,13 @@ def _add_submit(sub: Any) -> None:
 
 
 def _submit(ns: argparse.Namespace) -> int:
-    from gyre.runners.submit import submit
+    from gyre.runners.submit import JobRuntime, submit
 
     args = list(ns.args)
     config = args.pop(0) if args and "=" not in args[0] else None
     env = dict(e.split("=", 1) for e in ns.env)
-    job_id, status = submit(
-        ns.address, config, args, ns.working_dir, not ns.no_follow, ns.pip, env, ns.python
-    )
+    runtime = JobRuntime(ns.working_dir, ns.pip, env, ns.python)
+    job_id, status = submit(ns.address, config, args, runtime, follow=not ns.no_follow)
     print(f"job {job_id}: {status}")
     return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
 

@@ -109,3 +109,21 @@ def test_a_moved_module_keeps_its_old_path_with_a_warning(old, monkeypatch):
     assert any(
         issubclass(w.category, DeprecationWarning) and MOVED[old] in str(w.message) for w in caught
     )
+
+
+MOVED_NAMES = {
+    ("gyre.algos", "TOKEN_LEVEL"): "ESTIMATORS",
+    ("gyre.algos.advantages", "NEEDS_TURNS"): "ESTIMATORS",
+    ("gyre.rollout.episodes", "demonstrate"): "gyre.rollout.demonstrate",
+    ("gyre.rollout.episodes", "prompt_ids"): "gyre.rollout.transcript",
+    ("gyre.trainer.update", "batch_advantages"): "gyre.trainer.advantages",
+}
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(MOVED_NAMES))
+def test_a_moved_name_keeps_its_old_path_with_a_warning(module, name):
+    with pytest.warns(DeprecationWarning, match=MOVED_NAMES[module, name]):
+        value = getattr(importlib.import_module(module), name)
+    assert value is not None
+    with pytest.raises(AttributeError):
+        importlib.import_module(module).no_such_name  # noqa: B018

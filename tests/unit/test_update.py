@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gyre.algos import LOSS_AGGREGATIONS, POLICY_LOSSES
+from gyre.trainer.advantages import batch_advantages
 from gyre.trainer.batch import collate, token_logprobs
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.update import (
-    batch_advantages,
     policy_update,
     prepare_batch,
     resolve_old_logprobs,

@@ -82,8 +82,9 @@ def _demo_and_rollout(make, tok, seed, noise, train_on_noise=False, **mode):
     """A demonstration, and run_episodes replaying its replies as the policy's samples."""
     log: list[str] = []
     chat = ChatMode(ChatTemplate(tok), **mode)
-    demo = demonstrate(lambda: Recorder(make(), log), tok, seed, noise,
-                       np.random.default_rng(seed), train_on_noise, chat=chat)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    recorder = lambda: Recorder(make(), log)  # noqa: E731
+    demo = demonstrate(recorder, tok, seed, noise, rng, train_on_noise=train_on_noise, chat=chat)
     actions = list(log)
     engine = ScriptedEngine(tok, actions, chat.template.end_id)
     (traj,) = run_episodes(make, engine, tok, [seed], 1, SamplingParams(), chat=chat)

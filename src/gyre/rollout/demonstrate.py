@@ -4,7 +4,7 @@ rollout would tokenise it (the same observation encoding, stops and chat renderi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -17,16 +17,22 @@ from gyre.rollout.window import Window
 from gyre.types import Completion, Trajectory
 
 
+class DemoOptions(TypedDict, total=False):
+    """:func:`demonstrate`'s keyword options (see its docstring)."""
+
+    train_on_noise: bool
+    terminator: Sequence[int] | None
+    chat: ChatMode | None
+    window: Window | None
+
+
 def demonstrate(
     make_env: Callable[[], Env],
     tokenizer: PreTrainedTokenizerBase,
     seed: int,
     noise: float,
     rng: np.random.Generator,
-    train_on_noise: bool = False,
-    terminator: Sequence[int] | None = None,
-    chat: ChatMode | None = None,
-    window: Window | None = None,
+    **options: Unpack[DemoOptions],
 ) -> Trajectory:
     """One noisy-expert episode, tokenised exactly as a rollout would be.
 
@@ -43,6 +49,8 @@ def demonstrate(
     (``steps``), its prompt the window a rollout would have given the model, its mask the
     turn's (0 on a random move unless ``train_on_noise``).
     """
+    train_on_noise, terminator = options.get("train_on_noise", False), options.get("terminator")
+    chat, window = options.get("chat"), options.get("window")
     env = make_env()
     if not isinstance(env, Demonstrator):
         raise TypeError(f"{type(env).__name__} cannot demonstrate (no expert_action/random_action)")

@@ -32,13 +32,14 @@ from gyre.config import Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state
 from gyre.models.vision import vision_of
+from gyre.trainer.advantages import batch_advantages
 from gyre.trainer.batch import collate
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.overlong import apply_overlong
 from gyre.trainer.schedule import build_scheduler
 from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.stepwise import expand_steps
-from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
+from gyre.trainer.update import policy_update, prepare_batch
 from gyre.types import Trajectory
 
 

@@ -8,7 +8,8 @@ the loop in order:
 1. :func:`prepare_batch` -- no-grad forwards before any weight changes: the trainer's own
    log-probs of the sampled tokens (the *old* policy of PPO's ratio), the reference policy's
    (KL), and the value model's (GAE). Stored in ``batch.extras``.
-2. :func:`batch_advantages` -- KL-in-reward shaping, then the named estimator.
+2. :func:`~gyre.trainer.advantages.batch_advantages` -- KL-in-reward shaping, then the named
+   estimator.
 3. :func:`policy_update` -- ``ppo_epochs`` x mini-batches optimizer steps. Per micro-batch: one
    forward, the loss as the sum of the named terms of :mod:`gyre.algos.terms`
    (:func:`gyre.trainer.loss.micro_batch_loss`) aggregated with weights fixed from the whole
@@ -42,14 +43,8 @@ from typing import TypedDict, Unpack
 import torch
 
 from gyre.algos import (
-    AdvantageInputs,
-    AdvantageSettings,
     StepCounts,
-    Turns,
     agg_weights,
-    compute_advantages,
-    get_estimator,
-    get_kl_fn,
     masked_token_sum,
 )
 from gyre.algos.aggregate import check_mode
@@ -58,7 +53,6 @@ from gyre.trainer.batch import TokenBatch, consecutive_slices, micro_batches, to
 from gyre.trainer.critic import ValueModel, policy_forward
 from gyre.trainer.loss import TokenTerms, micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
-from gyre.trainer.stepwise import episode_advantages, turn_row_advantages
 
 OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 
@@ -220,75 +214,6 @@ def _old_logprobs_of_rows(
         old[idx, :width] = sub.extras["old_logprobs"]
     batch.extras["old_logprobs"] = old * batch.loss_mask
     return out
-
-
-# -- 2. advantages -------------------------------------------------------------------------------
-def advantage_settings(train: TrainConfig) -> AdvantageSettings:
-    """The estimators' numbers from the config (``train.adv_eps``, ``train.algo.*``)."""
-    a = train.algo
-    return AdvantageSettings(
-        eps=train.adv_eps,
-        gamma=a.discount,
-        lam=a.lam,
-        step_weight=a.gigpo_step_weight,
-        step_norm=a.gigpo_step_norm,
-        whiten_std=a.whiten_std,
-        self_loops=a.self_loop_advantage,
-    )
-
-
-def batch_advantages(
-    name: str,
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    batch: TokenBatch,
-    train: TrainConfig,
-    episodes: torch.Tensor | None = None,
-    turns: Turns | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Advantages (B,) or (B, T) for ``batch``; value targets land in ``batch.extras``.
-
-    The estimator's numbers come from ``train`` (:func:`advantage_settings`). ``episodes`` (B,):
-    step-wise rows' episode index (:mod:`gyre.trainer.stepwise`): the outcome estimator runs on
-    episodes and each row gets its episode's advantage. ``turns``: the episodes' turns, which
-    the turn estimators (``gigpo``, ``turn_returns``) read.
-    KL in the reward (``kl_in == 'reward'``, needs ``ref_logprobs`` from :func:`prepare_batch`):
-    token estimators get -kl_coef * KL_t per policy token; outcome estimators get the reward
-    minus kl_coef * sum_t KL_t (the sequence's KL).
-    """
-    est, settings = get_estimator(name), advantage_settings(train)
-    metrics: dict[str, float] = {}
-    token_rewards = None
-    mask = batch.loss_mask
-    rewards = rewards.float().to(mask.device)
-    penalty = None
-    if train.algo.kl_in == "reward" and "ref_logprobs" in batch.extras:
-        old = batch.extras.get("old_logprobs", batch.rollout_logprobs)
-        kl = get_kl_fn(train.algo.kl_type)(old, batch.extras["ref_logprobs"]) * mask  # (B, T)
-        metrics["train/kl"] = float(kl.sum() / mask.sum().clamp(min=1))
-        if est.token_level:
-            token_rewards = -train.kl_coef * kl
-        elif episodes is not None:
-            penalty = train.kl_coef * kl.sum(dim=1)
-        else:
-            rewards = rewards - train.kl_coef * kl.sum(dim=1)
-    if episodes is not None:
-        if est.needs_turns:  # turn-level credit: turn k of an episode is its k-th row
-            adv = turn_row_advantages(name, rewards, group_ids, episodes, turns, settings)
-            return adv.to(mask.device), metrics
-        if est.token_level:
-            raise ValueError(f"step-wise samples need an outcome or turn estimator, not {name!r}")
-        fn = lambda r, g: compute_advantages(name, r, g, settings=settings)[0]  # noqa: E731
-        adv = episode_advantages(fn, rewards, penalty, group_ids, episodes)
-        return adv.to(mask.device), metrics
-    values = batch.extras.get("values")
-    inputs = AdvantageInputs(mask, token_rewards, values, turns)
-    adv, returns = compute_advantages(
-        name, rewards if est.token_level else rewards.cpu(), group_ids, inputs, settings
-    )
-    if returns is not None:
-        batch.extras["returns"] = returns
-    return adv.to(mask.device), metrics
 
 
 # -- 3. the update -------------------------------------------------------------------------------
@@ -551,3 +476,19 @@ def _clip_and_step(run: _Run, tally: _Tally, step_loss: float) -> None:
         own = [p for p in run.value_model.parameters() if p.grad is not None]
         vgn = float(torch.nn.utils.clip_grad_norm_(own, max_norm))
         finite_step(run.value_model.optimizer, vgn, 0.0)
+
+
+def __getattr__(name: str) -> object:
+    """Step 2 moved to :mod:`gyre.trainer.advantages`; its names are kept here one version."""
+    if name not in ("batch_advantages", "advantage_settings"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    from gyre.trainer.advantages import advantage_settings, batch_advantages
+
+    warnings.warn(
+        f"gyre.trainer.update.{name} moved to gyre.trainer.advantages.{name}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return {"batch_advantages": batch_advantages, "advantage_settings": advantage_settings}[name]
