@@ -11,7 +11,7 @@ from pydantic import (
 )
 
 from gyre.config.base import (
-    _Section,
+    Section,
 )
 from gyre.config.engine import EngineConfig, PerfConfig
 from gyre.config.ops import CheckpointConfig, EvalConfig, FaultsConfig, LogConfig, TelemetryConfig
@@ -21,7 +21,7 @@ from gyre.config.run import EnvConfig, ModelConfig, RolloutConfig, RunConfig
 from gyre.config.train import SFTConfig, TrainConfig
 
 
-class Config(_Section):
+class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")

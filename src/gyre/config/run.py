@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -13,16 +14,17 @@ from pydantic import (
 
 from gyre.config.adapters import GymnasiumConfig, ReasoningGymConfig
 from gyre.config.base import (
-    _DEVICE_RE,
     SEED_LIMIT,
     THREADS_PER_CORE,
-    _Section,
+    Section,
 )
 from gyre.config.rewards import SandboxConfig
 from gyre.config.visual import MiniGridConfig, VisualMazeConfig
 
+_DEVICE_RE = re.compile(r"^(cpu|auto|mps|cuda(:\d+)?)$")
 
-class RunConfig(_Section):
+
+class RunConfig(Section):
     dir: str = Field("", description="Run directory; empty means runs/<env>-<timestamp>.")
     seed: int = Field(
         0,
@@ -62,7 +64,7 @@ class RunConfig(_Section):
         return v
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     rank: int = Field(8, gt=0, description="LoRA rank r.")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
@@ -72,7 +74,7 @@ class LoraConfig(_Section):
     )
 
 
-class TinyVlmConfig(_Section):
+class TinyVlmConfig(Section):
     hidden_size: int = Field(64, gt=0, description="Tiny VLM: the language model's width.")
     num_layers: int = Field(2, gt=0, description="Tiny VLM: the language model's layers.")
     num_heads: int = Field(4, gt=0, description="Tiny VLM: attention heads.")
@@ -119,7 +121,7 @@ class TinyVlmConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field(
         "",
         description="Local Hugging Face folder: a causal LM, or an image-text-to-text VLM (its "
@@ -171,7 +173,7 @@ class ModelConfig(_Section):
 DemonstratorName = Literal["shortest", "greedy", "lookahead", "careful"]  # gyre.envs.maze's
 
 
-class MazeConfig(_Section):
+class MazeConfig(Section):
     size: int = Field(5, ge=5, description="Maze side length in cells (at least 5).")
     wall_density: float = Field(
         0.3, ge=0.0, lt=0.7, description="Fraction of cells that are walls."
@@ -253,12 +255,12 @@ class MazeConfig(_Section):
         return self
 
 
-class ArithmeticConfig(_Section):
+class ArithmeticConfig(Section):
     max_operand: int = Field(99, gt=0, description="Operands are drawn from [0, max_operand].")
     ops: str = Field("+-", min_length=1, description="Operators to draw from, e.g. '+-*'.")
 
 
-class DatasetConfig(_Section):
+class DatasetConfig(Section):
     path: str = Field(
         "",
         description='Tasks: a JSONL file, one task a line ({"prompt": ..., "answer": ..., ...}), '
@@ -299,7 +301,7 @@ BUILTIN_ENVS = (
 )
 
 
-class EnvConfig(_Section):
+class EnvConfig(Section):
     name: str = Field(
         "maze",
         description="A built-in env (maze, arithmetic, dataset, gymnasium, reasoning_gym, "
@@ -362,7 +364,7 @@ class EnvConfig(_Section):
         return self
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """Where a turn ends, and message-mode rollouts: chat templates, tool calls, limits
     (docs/envs.md)."""
 

@@ -28,8 +28,8 @@ from gyre.serve.requests import (
     ChatMessage,
     GenerateBody,
     Vocab,
-    _message,
     chat_prompt,
+    message_dict,
     prompts_of,
 )
 
@@ -64,7 +64,7 @@ def chat_ids(
                     400, f"{field}: a part of type {p.type!r} needs a {p.type!r} field", field
                 )
         if not isinstance(content, list) or all(p.type == "text" for p in content):
-            msgs.append(_message(m))
+            msgs.append(message_dict(m))
             continue
         vision = vision or _vision(v, f"messages.{i}.content")
         parts: list[dict[str, Any]] = []
@@ -74,7 +74,7 @@ def chat_ids(
             else:  # the template writes the model's placeholder for an image part
                 images.append(_image(p.image_url.url, f"messages.{i}.content.{k}.image_url.url"))
                 parts.append({"type": "image"})
-        msgs.append({**_message(m.model_copy(update={"content": None})), "content": parts})
+        msgs.append({**message_dict(m.model_copy(update={"content": None})), "content": parts})
     if vision is None:
         return chat_prompt(v, messages, tools), []
     try:

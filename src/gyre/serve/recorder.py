@@ -55,9 +55,9 @@ from gyre.rollout.recorded import RECORD_FILE, RECORD_SCHEMA
 from gyre.serve.requests import (
     ApiError,
     ChatBody,
-    _message,
     chat_answer,
     check_length,
+    message_dict,
     sampling_params,
     validation_message,
 )
@@ -233,7 +233,7 @@ class Recorder:
             raise ApiError(409, f"session {key!r} already has a call in flight", "gyre_session")
         if s is not None and group != s.group and body.gyre_group is not None:
             raise ApiError(400, f"session {key!r} belongs to group {s.group!r}", "gyre_group")
-        msgs = [_message(m) for m in body.messages]
+        msgs = [message_dict(m) for m in body.messages]
         tools_key = json.dumps(body.tools, sort_keys=True)
         tpl = self.template(body.tools, tools_key)
         try:

@@ -278,7 +278,7 @@ def prompts_of(v: Vocab, prompt: Any) -> list[list[int]]:
     return out
 
 
-def _message(m: ChatMessage) -> dict[str, Any]:
+def message_dict(m: ChatMessage) -> dict[str, Any]:
     parts = m.content
     content = parts if isinstance(parts, str) else "\n".join(p.text or "" for p in parts or [])
     msg: dict[str, Any] = {"role": m.role, "content": content}
@@ -307,7 +307,7 @@ def chat_prompt(
     """The prompt ids of a chat: the model's chat template (with ``tools``) and the generation
     prompt; a model without a template gets BOS + the contents back to back."""
     tok = v.tokenizer
-    msgs = [_message(m) for m in messages]
+    msgs = [message_dict(m) for m in messages]
     if getattr(tok, "chat_template", None):
         try:
             ids = tok.apply_chat_template(

@@ -45,7 +45,13 @@ from torch.utils.checkpoint import checkpoint
 
 from gyre.models.lean import LeanForward, lean_for
 from gyre.models.sampling import sampling_logprobs
-from gyre.trainer.packing import PACK_MIN_SAVING, _ffd, pack_rows, packing_supported, plan_tree
+from gyre.trainer.packing import (
+    PACK_MIN_SAVING,
+    first_fit_rows,
+    pack_rows,
+    packing_supported,
+    plan_tree,
+)
 
 if TYPE_CHECKING:
     from gyre.config import PerfConfig
@@ -243,7 +249,7 @@ def _predicting_states(
     def plain_or_packed() -> tuple[int, int]:
         """(rows, width) of the layout used if not tree-packed."""
         if opts.pack and B_in > 1 and (lean is not None or packing_supported(decoder)):
-            n_rows = len(_ffd(lengths)[0])  # the packed shape, before building anything
+            n_rows = len(first_fit_rows(lengths)[0])  # the packed shape, before building anything
             if n_rows * max(lengths) <= PACK_MIN_SAVING * B_in * T_in:
                 return (n_rows, max(lengths))
             # else: rows of similar length, packing would save too little to pay
