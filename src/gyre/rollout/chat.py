@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre.models.vision import images_in, vision_of
-from gyre.rollout.window import Window, window_messages
+from gyre.rollout.window import Window, turn_sample, window_messages
 from gyre.types import Completion, Trajectory
 
 _log = logging.getLogger("gyre.rollout.chat")
@@ -210,20 +210,9 @@ class ChatEpisode:
             self.text += content + (self.tpl.end_text if self.ended else "")
         self.conv.append({"role": "assistant", "content": content})
         if self.stepwise:
-            p = self.turn_prompt
             self.steps.append(
-                Trajectory(
-                    token_ids=p + ids,
-                    loss_mask=[0] * len(p) + [1] * len(ids),
-                    rollout_logprobs=[0.0] * len(p) + list(out.logprobs),
-                    reward=0.0,
-                    group_id=0,
-                    policy_version=-1,
-                    num_turns=1,
-                    success=False,
-                    task_seed=0,
-                    truncated=out.finish_reason == "length",
-                    images=list(self.prompt_images),
+                turn_sample(
+                    self.turn_prompt, ids, out.logprobs, out.finish_reason, self.prompt_images
                 )
             )
         return content

@@ -4,6 +4,7 @@ rollout would tokenise it (the same observation encoding, stops and chat renderi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
 import numpy as np
@@ -12,8 +13,8 @@ from transformers import PreTrainedTokenizerBase
 from gyre.envs.base import Demonstrator, Env
 from gyre.rollout.chat import ChatEpisode, ChatMode
 from gyre.rollout.stops import derive_stops
-from gyre.rollout.transcript import encode_obs, turn_sample
-from gyre.rollout.window import Window
+from gyre.rollout.transcript import encode_obs
+from gyre.rollout.window import Window, turn_sample
 from gyre.types import Completion, Trajectory
 
 
@@ -59,10 +60,8 @@ def demonstrate(
     newline = list(derive_stops(tokenizer).terminator if terminator is None else terminator)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     first = encode_obs(tokenizer, env.reset(seed))
-    ids = bos + first
-    mask = [0] * len(ids)
+    demo = _Demo(bos + first)
     segs, steps = [first], []
-    total, turns, info = 0.0, 0, {}
     while True:
         noisy = rng.random() < noise
         text = env.random_action(rng) if noisy else env.expert_action(rng)
@@ -72,30 +71,57 @@ def demonstrate(
             prompt = bos + [t for seg in window.select(segs) for t in seg]
             steps.append(turn_sample(prompt, act, [0.0] * len(act), "stop"))
             steps[-1].loss_mask[len(prompt) :] = [m] * len(act)
-        ids += act
-        mask += [m] * len(act)
-        obs, r, done, info = env.step(text)
-        total += r
-        turns += 1
+        demo.add(act, m)
+        obs, done = demo.step(env, text)
         if done:
             break
         obs_ids = encode_obs(tokenizer, obs)
-        ids += obs_ids
-        mask += [0] * len(obs_ids)
+        demo.add(obs_ids, 0)
         segs += [act, obs_ids]
-    return Trajectory(
-        token_ids=ids,
-        loss_mask=mask,
-        rollout_logprobs=[0.0] * len(ids),
-        reward=total,
-        group_id=0,
-        policy_version=-1,
-        num_turns=turns,
-        success=bool(info.get("success", False)),
-        task_seed=seed,
-        info=info,
-        steps=steps or None,
-    )
+    return demo.trajectory(seed, steps)
+
+
+@dataclass
+class _Demo:
+    """A demonstration's row so far (ids, loss mask), its return, turns and last info."""
+
+    ids: list[int]
+    mask: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.mask = [0] * len(self.ids)
+
+    def add(self, toks: Sequence[int], m: int) -> None:
+        self.ids += toks
+        self.mask += [m] * len(toks)
+
+    def step(self, env: Any, action: str) -> tuple[Any, bool]:
+        """The env's answer to ``action``: (observation, done)."""
+        obs, r, done, self.info = env.step(action)
+        self.reward += r
+        self.turns += 1
+        return obs, done
+
+    def trajectory(
+        self, seed: int, steps: list[Trajectory], images: Sequence[Any] = ()
+    ) -> Trajectory:
+        return Trajectory(
+            token_ids=self.ids,
+            loss_mask=self.mask,
+            rollout_logprobs=[0.0] * len(self.ids),
+            reward=self.reward,
+            group_id=0,
+            policy_version=-1,
+            num_turns=self.turns,
+            success=bool(self.info.get("success", False)),
+            task_seed=seed,
+            info=self.info,
+            images=list(images),
+            steps=steps or None,
+        )
 
 
 def _demonstrate_chat(
@@ -119,40 +145,21 @@ def _demonstrate_chat(
     tpl = chat.template
     end = list(terminator) if terminator is not None else [tpl.end_id]
     ep = ChatEpisode(tpl, stepwise=chat.window is not None, window=chat.window)
-    ids = ep.start(env.reset(seed))
-    mask = [0] * len(ids)
-    total, turns, info = 0.0, 0, {}
+    demo = _Demo(ep.start(env.reset(seed)))
     while True:
         noisy = rng.random() < noise
         text = env.random_action(rng) if noisy else env.expert_action(rng)
         act = tpl.encode(text) + end
         m = 0 if noisy and not train_on_noise else 1
-        ids += act
-        mask += [m] * len(act)
+        demo.add(act, m)
         ep.reply(Completion(act, [0.0] * len(act), "stop"))
         if ep.stepwise:
             step = ep.steps[-1]
             step.loss_mask[len(step.loss_mask) - len(act) :] = [m] * len(act)
-        msgs, r, done, info = env.step(text)
-        total += r
-        turns += 1
-        obs_ids, stop = chat.advance(ep, msgs, done, turns, len(ids))
-        ids += obs_ids
-        mask += [0] * len(obs_ids)
+        msgs, done = demo.step(env, text)
+        obs_ids, stop = chat.advance(ep, msgs, done, demo.turns, len(demo.ids))
+        demo.add(obs_ids, 0)
         if stop is not None:
-            info = {**info, **stop}
+            demo.info = {**demo.info, **stop}
             break
-    return Trajectory(
-        token_ids=ids,
-        loss_mask=mask,
-        rollout_logprobs=[0.0] * len(ids),
-        reward=total,
-        group_id=0,
-        policy_version=-1,
-        num_turns=turns,
-        success=bool(info.get("success", False)),
-        task_seed=seed,
-        info=info,
-        images=list(ep.images),
-        steps=ep.steps or None,
-    )
+    return demo.trajectory(seed, ep.steps, ep.images)

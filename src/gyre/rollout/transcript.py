@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from transformers import PreTrainedTokenizerBase
 
 from gyre.rollout.chat import ChatEpisode, ChatMode
-from gyre.rollout.window import Window
+from gyre.rollout.window import Window, turn_sample
 from gyre.types import Completion, Trajectory
 
 End = dict[str, Any]  # what an ended episode's info gets ({} for none)
@@ -60,25 +60,6 @@ class Codec:
         self.first_ids = _memo(lambda text: prompt_ids(tokenizer, text))
         self.encode = _memo(lambda text: encode_obs(tokenizer, text))
         self.decode = _memo(lambda key: tokenizer.decode(list(key), skip_special_tokens=True))
-
-
-def turn_sample(
-    prompt: Sequence[int], toks: Sequence[int], lps: Sequence[float], reason: str
-) -> Trajectory:
-    """One turn as a sample: the prompt it was sampled from (mask 0), then its ids (mask 1)."""
-    p = list(prompt)
-    return Trajectory(
-        token_ids=p + list(toks),
-        loss_mask=[0] * len(p) + [1] * len(toks),
-        rollout_logprobs=[0.0] * len(p) + list(lps[: len(toks)]),
-        reward=0.0,
-        group_id=0,
-        policy_version=-1,
-        num_turns=1,
-        success=False,
-        task_seed=0,
-        truncated=reason == "length",
-    )
 
 
 class Transcript(Protocol):
