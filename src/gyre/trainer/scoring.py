@@ -178,9 +178,8 @@ def chunked_token_logprobs(
     else:
         ids_in, mask_in, row_in = input_ids[:, :T_in], attention_mask[:, :T_in], b_idx
     lengths = [int(n) for n in in_len[keep].tolist()]
-    hidden, src_row, src_col = _predicting_states(
-        model, decoder, opts, ids_in, mask_in, lengths, row_in, t_idx, pad_token_id
-    )
+    rows = _InputRows(ids_in, mask_in, lengths, row_in, t_idx, pad_token_id)
+    hidden, src_row, src_col = _predicting_states(model, decoder, opts, rows)
     h = gather_states(hidden, src_row, src_col)  # (N, H): the state that predicts (b, t)
     flat_tok, flat_ent = _score_states(h, input_ids[b_idx, t_idx], head, temperature, top_p, opts)
     lp = flat_tok.new_zeros(B, T).index_put((b_idx, t_idx), flat_tok)
@@ -228,19 +227,26 @@ def _nothing_to_score(
     return zeros, head.weight.new_zeros(B, T)
 
 
+@dataclass(frozen=True)
+class _InputRows:
+    """The rows a scoring forward runs over: their ids and mask (B_in, T_in), real lengths,
+    and per scored position its input row and column."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+    row: torch.Tensor
+    col: torch.Tensor
+    pad_token_id: int
+
+
 def _predicting_states(
-    model: torch.nn.Module,
-    decoder: torch.nn.Module,
-    opts: ScoringOptions,
-    ids_in: torch.Tensor,
-    mask_in: torch.Tensor,
-    lengths: list[int],
-    row_in: torch.Tensor,
-    t_idx: torch.Tensor,
-    pad_token_id: int,
+    model: torch.nn.Module, decoder: torch.nn.Module, opts: ScoringOptions, rows: _InputRows
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decoder's last hidden states over the chosen layout -- tree-packed, packed or padded
     -- and, per scored position, the (row, column) of the state that predicts it."""
+    ids_in, mask_in, lengths, row_in, t_idx = rows.ids, rows.mask, rows.lengths, rows.row, rows.col
+    pad_token_id = rows.pad_token_id
     B_in, T_in = ids_in.shape
     device = ids_in.device
     lean = lean_for(model, opts.lean)
