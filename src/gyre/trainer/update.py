@@ -414,8 +414,7 @@ def _micro_step(
         mb,
         train.sampling.temperature,
         train.sampling.top_p,
-        with_entropy=True,
-        entropy_grad=train.algo.entropy_coef != 0,
+        entropy="grad" if train.algo.entropy_coef != 0 else "metric",
         value_model=run.value_model,
         options=run.scoring,
     )
