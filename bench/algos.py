@@ -49,8 +49,8 @@ from gyre.models.build import load_pretrained
 from gyre.rollout.episodes import run_episodes, stop_ids
 from gyre.rollout.evaluate import eval_seeds
 from gyre.runners import train
+from gyre.sft import run_sft
 from gyre.trainer.batch import collate, token_logprobs
-from gyre.trainer.warmstart import run_sft
 from gyre.types import SamplingParams
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "algorithms.md"

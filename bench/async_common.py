@@ -29,9 +29,8 @@ def warm_start(
 ) -> Path:
     """One SFT warm start (in this process; the default SFT config is 600 steps on 4000 demos)
     that every mode starts from; reused from ``cache`` when it was made with the same settings."""
-    from gyre import loop
+    from gyre import loop, sft
     from gyre.config import load_config
-    from gyre.trainer import warmstart
 
     overrides = bench_overrides(seed)
     key = "|".join([*overrides, f"sft.steps={sft_steps}", f"sft.demos={demos}"])
@@ -45,7 +44,7 @@ def warm_start(
     )
     run_dir, device = loop.setup(cfg)
     t0 = time.perf_counter()
-    warm = warmstart.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
+    warm = sft.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
     print(f"SFT warm start: {sft_steps} steps in {time.perf_counter() - t0:.0f}s", flush=True)
     if cache is not None:
         shutil.rmtree(cache, ignore_errors=True)

@@ -40,9 +40,10 @@ import torch
 import gyre.trainer.scoring as scoring
 from gyre.config import Config, load_config
 from gyre.models.build import create_tiny_checkpoint, load_pretrained
+from gyre.trainer.advantages import batch_advantages
 from gyre.trainer.batch import collate
 from gyre.trainer.scoring import ScoringOptions
-from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
+from gyre.trainer.update import policy_update, prepare_batch
 from gyre.types import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -77,7 +77,8 @@ from gyre.engines import TorchEngine
 from gyre.engines.factory import torch_engine_options
 from gyre.envs import MazeEnv
 from gyre.models.build import CHARSET, count_parameters, create_tiny_checkpoint, load_pretrained
-from gyre.rollout.episodes import RolloutStats, encode_obs, prompt_ids, run_episodes, stop_ids
+from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids
+from gyre.rollout.transcript import encode_obs, prompt_ids
 from gyre.types import GenerationRequest, SamplingParams
 
 TEMPERATURE = 1.0

@@ -15,7 +15,7 @@ from gyre.checkpoint.resume import cached
 from gyre.config import load_config
 from gyre.envs import env_factory
 from gyre.models.build import build_char_tokenizer
-from gyre.rollout.episodes import demonstrate
+from gyre.rollout.demonstrate import demonstrate
 from gyre.rollout.evaluate import train_seed
 
 

@@ -25,8 +25,8 @@ import gyre.trainer.sft as sft
 from gyre.config import load_config
 from gyre.models.vision import load_vlm, vision_of
 from gyre.models.vision_build import LMSize, create_tiny_vlm
+from gyre.sft import demonstrations, expand_steps
 from gyre.trainer.batch import TokenBatch, collate, consecutive_slices, micro_batches
-from gyre.trainer.warmstart import demonstrations, expand_steps
 
 DESCRIBE = [
     "examples/visual-maze/config.yaml", "model.kind=qwen3_vl", "env.visual_maze.cell_px=16",

@@ -65,7 +65,8 @@ from gyre.engines import TorchEngine
 from gyre.engines.factory import torch_engine_options
 from gyre.envs import ArithmeticEnv
 from gyre.models.build import count_parameters, create_tiny_checkpoint, load_pretrained
-from gyre.rollout.episodes import demonstrate, run_episodes, stop_ids
+from gyre.rollout.demonstrate import demonstrate
+from gyre.rollout.episodes import run_episodes, stop_ids
 from gyre.trainer.batch import collate
 from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.sft import sft_step

@@ -12,12 +12,13 @@ library, wrapped in ``PreTrainedTokenizerFast`` with the template's special toke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from gyre.engines.base import EngineFeatures
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 _TOOLS_HEADER = (
@@ -186,6 +187,7 @@ class ScriptedEngine:
     replies: list[str]
     stop_id: int
     version: int = 0
+    features: ClassVar[EngineFeatures] = EngineFeatures()
     prompts: list[list[int]] = field(default_factory=list)
     _turn: dict[Any, int] = field(default_factory=dict)
 

@@ -6,10 +6,12 @@ import socket
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from gyre.config import AlgoConfig, SamplingConfig, TrainConfig
+from gyre.engines.base import EngineFeatures
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 
@@ -49,6 +51,7 @@ class RecordingEngine:
 
     inner: object
     strip_sessions: bool = False
+    features: ClassVar[EngineFeatures] = EngineFeatures()  # lockstep turns: every call is recorded
     calls: list[Call] = field(default_factory=list)
     released: list[Hashable] = field(default_factory=list)
 

@@ -134,14 +134,13 @@ def _add_submit(sub: Any) -> None:
 
 
 def _submit(ns: argparse.Namespace) -> int:
-    from gyre.runners.submit import submit
+    from gyre.runners.submit import JobRuntime, submit
 
     args = list(ns.args)
     config = args.pop(0) if args and "=" not in args[0] else None
     env = dict(e.split("=", 1) for e in ns.env)
-    job_id, status = submit(
-        ns.address, config, args, ns.working_dir, not ns.no_follow, ns.pip, env, ns.python
-    )
+    runtime = JobRuntime(ns.working_dir, ns.pip, env, ns.python)
+    job_id, status = submit(ns.address, config, args, runtime, follow=not ns.no_follow)
     print(f"job {job_id}: {status}")
     return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
 
@@ -225,7 +224,7 @@ def _run(argv: list[str]) -> int:
         return report_main(argv[1:])
     if argv and argv[0] in ("serve", "export", "import"):  # paths and flags, not config keys
         from gyre.commands import export, import_gguf
-        from gyre.engines import server
+        from gyre.serve import server
 
         mains = {"serve": server.main, "export": export.main, "import": import_gguf.main}
         return mains[argv[0]](argv[1:])
@@ -273,7 +272,7 @@ def _run(argv: list[str]) -> int:
         console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
     elif ns.command == "sft":
         run_dir, device = loop.setup(cfg)
-        from gyre.trainer.warmstart import run_sft
+        from gyre.sft import run_sft
 
         out = run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
         console.print(f"SFT checkpoint written to {out}")

@@ -48,10 +48,10 @@ from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_de
 from gyre.models.hub import resolve_model_path
 from gyre.rollout.core import rollout_metrics
 from gyre.rollout.evaluate import demonstrator_success
+from gyre.sft import run_sft
 from gyre.telemetry import MetricsSink, timed
 from gyre.telemetry.factory import Telemetry, build_telemetry
 from gyre.telemetry.signal import NoSignalWatch
-from gyre.trainer.warmstart import run_sft
 from gyre.types import Trajectory
 
 
@@ -171,7 +171,8 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
         with StopGuard() as guard:  # after connect: ray.init installs handlers of its own
             plan = ckpt.plan()
             policy, ref = warm_start(cfg, run_dir, device, ckpt, plan, guard)
-            out = build_telemetry(cfg, run_dir, load_tokenizer(ref), extra=sink)
+            tok, make_env = load_tokenizer(ref), env_factory(cfg.env)
+            out = build_telemetry(cfg, run_dir, tok, sink, make_env=make_env)
             for note in cfg.adapted():  # values a check filled in (config.yaml holds them)
                 out.message(note)
             placement.start(run_dir, policy, ref, plan, out, ckpt)

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -131,3 +132,15 @@ def module_root(spec: str) -> str | None:
         return os.getcwd() if _in_dir(Path.cwd(), top) else None
     origin = Path(found.origin).parent
     return str(origin.parent if found.submodule_search_locations else origin)
+
+
+def moved_module(old: str, new: str) -> None:
+    """Make the deprecated module path ``old`` an alias of the module ``new``, with a
+    ``DeprecationWarning``. The alias is the same module object, so every name (private ones
+    too) and every monkeypatch is shared. Old paths are kept for one version."""
+    warnings.warn(
+        f"{old} moved to {new}; import it from there (the old path goes in the next version)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    sys.modules[old] = importlib.import_module(new)

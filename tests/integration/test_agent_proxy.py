@@ -25,10 +25,10 @@ from safetensors.torch import load_file
 
 from chat_helpers import build_chat_model, build_chat_tokenizer
 from gyre.cli import main as gyre_main
-from gyre.engines.recorder import Recorder
-from gyre.engines.server import ModelHost, create_app
 from gyre.models.build import load_pretrained
 from gyre.rollout.recorded import read_records, to_trajectory
+from gyre.serve.recorder import Recorder
+from gyre.serve.server import ModelHost, create_app
 from gyre.trainer.batch import collate, token_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]

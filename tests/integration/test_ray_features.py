@@ -24,10 +24,9 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-from gyre import loop, runners  # noqa: E402
+from gyre import loop, runners, sft  # noqa: E402
 from gyre.checkpoint.resume import FaultAbort  # noqa: E402
 from gyre.config import load_config  # noqa: E402
-from gyre.trainer import warmstart  # noqa: E402
 from serve_helpers import start_server  # noqa: E402
 
 TINY = [
@@ -63,7 +62,7 @@ def warm(tmp_path_factory) -> Path:
     cfg = load_config(None, [*TINY, f"run.dir={d}", "sft.steps=40", "sft.demos=200",
                              "sft.batch_size=16", "sft.lr=0.01"])  # fmt: skip
     run_dir, device = loop.setup(cfg)
-    return warmstart.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
+    return sft.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
 
 
 def _cfg(run_dir: Path, model: Path, *extra: str, ray_on: bool = True):

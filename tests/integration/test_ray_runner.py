@@ -13,9 +13,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gyre import loop, runners  # noqa: E402
+from gyre import loop, runners, sft  # noqa: E402
 from gyre.config import load_config  # noqa: E402
-from gyre.trainer import warmstart  # noqa: E402
 
 STEPS, TASKS, GROUP = 3, 4, 4
 SKIP_PREFIXES = ("time/", "perf/", "sync/", "async/", "recovery/")
@@ -43,7 +42,7 @@ def warm_model(tmp_path_factory, tiny_cfg) -> Path:
     d = tmp_path_factory.mktemp("warm")
     cfg = load_config(None, [*_tiny(), f"run.dir={d}", "sft.steps=40", "sft.demos=128"])
     run_dir, device = loop.setup(cfg)
-    return warmstart.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
+    return sft.run_sft(cfg, run_dir, device, loop.base_model_path(cfg, run_dir))
 
 
 def _tiny() -> list[str]:

@@ -14,9 +14,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from chat_helpers import build_chat_model, build_chat_tokenizer
-from gyre.engines.recorder import Recorder
-from gyre.engines.server import ModelHost, create_app
 from gyre.rollout.recorded import read_records, to_trajectory
+from gyre.serve.recorder import Recorder
+from gyre.serve.server import ModelHost, create_app
 from gyre.types import Completion
 
 CALC = {
@@ -230,7 +230,7 @@ def test_bad_calls_are_4xx_naming_the_field(model_dir, tmp_path):
 
 
 def test_assistant_message_parses_hermes_tool_calls_only_with_tools():
-    from gyre.engines.serve_requests import assistant_message
+    from gyre.serve.requests import assistant_message
 
     msg, bad = assistant_message("Let me check.\n" + CALL, tools=True)
     assert bad == 0 and msg["content"] == "Let me check."
@@ -258,7 +258,7 @@ def test_open_episodes_at_shutdown_are_scored_by_the_reward_fn(model_dir, tmp_pa
 
 
 def test_serve_cli_refuses_a_bad_reward_fn(model_dir, tmp_path, capsys):
-    from gyre.engines import server
+    from gyre.serve import server
 
     missing = f"{tmp_path / 'nope.py'}:score"
     assert (

@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 
-from gyre.algos import KL_ESTIMATORS, StepCounts, agg_weights, compute_advantages, get_kl_fn
+from gyre.algos import (
+    KL_ESTIMATORS,
+    AdvantageInputs,
+    AdvantageSettings,
+    StepCounts,
+    agg_weights,
+    compute_advantages,
+    get_kl_fn,
+)
 from gyre.algos.advantages import masked_whiten
 from gyre.config import load_config
 
@@ -32,14 +40,13 @@ def test_gae_and_reinforce_pp_pass_the_whitening_choice():
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     rewards, groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
     values = torch.zeros(2, 3)
-    kw = {"loss_mask": mask, "values": values}
-    pop, _ = compute_advantages("gae", rewards, groups, **kw)
-    unb, _ = compute_advantages("gae", rewards, groups, whiten_std="unbiased", **kw)
+    x, unbiased = AdvantageInputs(mask, values=values), AdvantageSettings(whiten_std="unbiased")
+    pop, _ = compute_advantages("gae", rewards, groups, x)
+    unb, _ = compute_advantages("gae", rewards, groups, x, unbiased)
     # 3 policy tokens: the unbiased std is sqrt(3/2) x the population one
     torch.testing.assert_close(unb, pop * math.sqrt(2 / 3), atol=1e-6, rtol=1e-5)
-    pop, _ = compute_advantages("reinforce_pp", rewards, groups, loss_mask=mask)
-    unb, _ = compute_advantages("reinforce_pp", rewards, groups, loss_mask=mask,
-                                whiten_std="unbiased")  # fmt: skip
+    pop, _ = compute_advantages("reinforce_pp", rewards, groups, AdvantageInputs(mask))
+    unb, _ = compute_advantages("reinforce_pp", rewards, groups, AdvantageInputs(mask), unbiased)
     torch.testing.assert_close(unb, pop * math.sqrt(2 / 3), atol=1e-6, rtol=1e-5)
     cfg = load_config(None, ["train.algo.whiten_std=unbiased"])
     assert cfg.train.algo.whiten_std == "unbiased"

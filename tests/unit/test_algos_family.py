@@ -12,6 +12,7 @@ from gyre.algos import (
     ADVANTAGES,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
+    AdvantageInputs,
     LossParams,
     StepCounts,
     agg_weights,
@@ -113,7 +114,7 @@ def test_registry_lists_valid_names():
     with pytest.raises(ValueError, match=r"valid: abs, abs\+, k1, k1\+, k2, k3, k3\+, low_var_kl"):
         get_kl_fn("k4")
     with pytest.raises(ValueError, match="needs values"):
-        compute_advantages("gae", _t([1.0]), torch.tensor([0]), loss_mask=_t([[0.0, 1.0]]))
+        compute_advantages("gae", _t([1.0]), torch.tensor([0]), AdvantageInputs(_t([[0.0, 1.0]])))
 
 
 # -- token estimators ------------------------------------------------------------------------

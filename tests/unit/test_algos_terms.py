@@ -19,7 +19,7 @@ from gyre.algos import (
     value_term,
 )
 from gyre.trainer.batch import TokenBatch
-from gyre.trainer.loss import micro_batch_loss
+from gyre.trainer.loss import TokenTerms, micro_batch_loss
 from helpers import train_cfg
 
 LN2 = math.log(2.0)
@@ -129,7 +129,8 @@ def test_micro_batch_loss_is_the_sum_of_the_terms():
     cfg = train_cfg(**kw)
     w = agg_weights(mask, cfg.loss_agg)
     ent = _t([[0.0, 1.0, 3.0]])
-    loss, m = micro_batch_loss(cfg, mb, w, 2.0, logp, logp.detach(), _t([[1.0]]), ent, ref)
+    terms = TokenTerms(logp, logp.detach(), _t([[1.0]]), ent, ref)
+    loss, m = micro_batch_loss(cfg, mb, w, 2.0, terms)
     assert loss.item() == pytest.approx(-1.1, abs=1e-6)
     assert m["kl"].item() == pytest.approx(0.0, abs=1e-6) and m["entropy"].item() == 4.0
     assert m["clipfrac"].item() == 0.0 and "is_weight" not in m and "value_loss" not in m
@@ -137,6 +138,6 @@ def test_micro_batch_loss_is_the_sum_of_the_terms():
     # (w = 2, at the cap): its policy loss doubles -> loss = -1.1 + 1/2 (-1) = -1.6
     cfg = train_cfg(**kw, rollout_is="truncate", rollout_is_threshold=2.0)
     mb.rollout_logprobs[0, 2] = logp[0, 2] - LN2
-    loss, m = micro_batch_loss(cfg, mb, w, 2.0, logp, logp.detach(), _t([[1.0]]), ent, ref)
+    loss, m = micro_batch_loss(cfg, mb, w, 2.0, terms)
     assert loss.item() == pytest.approx(-1.6, abs=1e-5)
     assert m["is_weight"].item() == pytest.approx(3.0, rel=1e-5)

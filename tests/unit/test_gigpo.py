@@ -9,7 +9,15 @@ import math
 import pytest
 import torch
 
-from gyre.algos import ADVANTAGES, TOKEN_LEVEL, Turns, compute_advantages, gigpo_advantages
+from gyre.algos import (
+    ADVANTAGES,
+    ESTIMATORS,
+    AdvantageInputs,
+    AdvantageSettings,
+    Turns,
+    compute_advantages,
+    gigpo_advantages,
+)
 from gyre.algos.turns import (
     discounted_turn_returns,
     gigpo_step_advantages,
@@ -155,17 +163,21 @@ def test_turn_returns_with_final_reward_and_gamma_one_is_grpo():
     mask[0, [1, 3]] = 1
     mask[1, 1] = 1
     rewards, groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    inputs = AdvantageInputs(loss_mask=mask, turns=turns)
     adv, _ = compute_advantages(
-        "turn_returns", rewards, groups, loss_mask=mask, turns=turns, gamma=1.0
+        "turn_returns", rewards, groups, inputs, AdvantageSettings(gamma=1.0)
     )
     grpo, _ = compute_advantages("grpo", rewards, groups)
     torch.testing.assert_close(adv, grpo[:, None] * mask)
 
 
 def test_registered_and_needs_turns():
-    assert {"gigpo", "turn_returns"} <= set(ADVANTAGES) and "gigpo" in TOKEN_LEVEL
+    assert {"gigpo", "turn_returns"} <= set(ADVANTAGES) and ESTIMATORS["gigpo"].needs_turns
+    assert ESTIMATORS["gigpo"].level == "token"
     with pytest.raises(ValueError, match="turns"):
-        compute_advantages("gigpo", torch.ones(2), torch.zeros(2), loss_mask=torch.ones(2, 3))
+        compute_advantages(
+            "gigpo", torch.ones(2), torch.zeros(2), AdvantageInputs(torch.ones(2, 3))
+        )
 
 
 def test_maze_state_key_is_the_cell_and_a_bump_keeps_it():

@@ -23,7 +23,7 @@ from gyre.checkpoint.store import (
     write_model_dir,
 )
 from gyre.config import REDACTED, ConfigError, EngineConfig, dump_config, load_config
-from gyre.credentials import resolve_api_key
+from gyre.engines.credentials import resolve_api_key
 from gyre.envs.dataset import load_jsonl_tasks
 from gyre.errors import InputError, ensure_writable_dir
 from gyre.models.build import load_pretrained

@@ -441,11 +441,11 @@ def test_evaluation_reports_the_bump_fraction(tokenizer):
     """``eval/bump_frac_greedy`` = wall bumps / moves over the evaluated episodes, checked by
     replaying the same always-"u" policy by hand."""
     from chat_helpers import ScriptedEngine
-    from gyre.rollout.evaluate import eval_seeds, evaluate
+    from gyre.rollout.evaluate import EvalSettings, eval_seeds, evaluate
 
     nl = tokenizer.convert_tokens_to_ids("\n")
     engine = ScriptedEngine(tokenizer, ["u"], nl)
-    m = evaluate(engine, MazeEnv, tokenizer, 20, 1.0, 4, sampled=False)
+    m = evaluate(engine, MazeEnv, tokenizer, 20, EvalSettings(1.0, 4, sampled=False))
     bumps = moves = 0
     for seed in eval_seeds(20):
         env, done = MazeEnv(), False
@@ -567,10 +567,10 @@ def test_evaluation_reports_the_mean_reward_beside_success(tokenizer):
     """``eval/reward_greedy`` is the mean return over the same held-out seeds: the score of a
     reward that gives partial credit (reasoning-gym), which the success rate (0 here) hides."""
     from chat_helpers import ScriptedEngine
-    from gyre.rollout.evaluate import demonstrator_success, eval_seeds, evaluate
+    from gyre.rollout.evaluate import EvalSettings, demonstrator_success, eval_seeds, evaluate
 
     engine = ScriptedEngine(tokenizer, ["u"], tokenizer.convert_tokens_to_ids("\n"))
-    m = evaluate(engine, _PartialCreditEnv, tokenizer, 12, 1.0, 4, sampled=False)
+    m = evaluate(engine, _PartialCreditEnv, tokenizer, 12, EvalSettings(1.0, 4, sampled=False))
     want = np.mean([1.0 / (s % 4 + 1) for s in eval_seeds(12)])
     assert m["eval/success_greedy"] == 0.0
     assert 0.0 < want < 1.0 and m["eval/reward_greedy"] == pytest.approx(want)

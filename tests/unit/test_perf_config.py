@@ -15,7 +15,7 @@ from gyre.engines import TorchEngine
 from gyre.engines.factory import build_engine, torch_engine_options
 from gyre.envs.maze import MazeEnv
 from gyre.rollout.episodes import run_episodes, stop_ids
-from gyre.rollout.evaluate import evaluate
+from gyre.rollout.evaluate import EvalSettings, evaluate
 from gyre.types import GenerationRequest, SamplingParams
 
 PERF_KEYS = {
@@ -146,9 +146,9 @@ def test_continuous_switch_reaches_rollout_and_eval(tokenizer, make_tiny_model):
     off = run_episodes(_maze, engine, tokenizer, [1, 4], 2, params, continuous=False)
     assert engine.continuous_calls == 1
     assert [t.token_ids for t in on] == [t.token_ids for t in off]
-    evaluate(engine, _maze, tokenizer, 2, 1.0, 4, sampled=False, continuous=False)
+    evaluate(engine, _maze, tokenizer, 2, EvalSettings(1.0, 4, sampled=False, continuous=False))
     assert engine.continuous_calls == 1
-    evaluate(engine, _maze, tokenizer, 2, 1.0, 4, sampled=False)
+    evaluate(engine, _maze, tokenizer, 2, EvalSettings(1.0, 4, sampled=False))
     assert engine.continuous_calls == 2
 
 

@@ -104,7 +104,7 @@ def test_message_mode() -> None:
     env = _env(messages=True, prompt_template="Q: {question}")
     assert is_message_env(env)
     # SFT demonstrations are raw text: the message env offers none, so sft.steps>0 is refused
-    # in one line (gyre.trainer.warmstart) instead of failing inside the demonstrations
+    # in one line (gyre.sft) instead of failing inside the demonstrations
     assert not isinstance(env, Demonstrator) and isinstance(_env(), Demonstrator)
     msgs = env.reset(1)
     assert msgs == [{"role": "user", "content": "Q: " + env.entry["question"]}]

@@ -13,6 +13,7 @@ import torch
 
 from gyre.config import ConfigError, load_config
 from gyre.engines import TorchEngine
+from gyre.engines.base import EngineFeatures
 from gyre.engines.http_engine import HttpEngine
 from gyre.envs.maze import MazeEnv
 from gyre.rollout.core import rollout_metrics
@@ -79,7 +80,7 @@ class ScriptEngine:
     """Answers every turn from a script and records each request's temperature."""
 
     version = 0
-    per_request_temperature = True
+    features = EngineFeatures(per_request_temperature=True)
 
     def __init__(self, tokenizer, actions: list[str]):
         self.tok, self.actions, self.seen = tokenizer, actions, []
@@ -118,7 +119,7 @@ def test_the_turn_after_an_invalid_action_is_retried_hotter(tokenizer):
 
 def test_an_engine_without_per_request_temperature_is_refused(tokenizer):
     engine = ScriptEngine(tokenizer, ["u\n"] * 4)
-    engine.per_request_temperature = False
+    engine.features = EngineFeatures(per_request_temperature=False)
     with pytest.raises(ValueError, match=r"retry_temperature.*per_request_temperature"):
         run_episodes(lambda: Wall(), engine, tokenizer, [0], 1, _params(0.6), retry_temperature=2)
 

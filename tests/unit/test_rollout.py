@@ -9,7 +9,8 @@ import torch
 from gyre.engines import TorchEngine
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.maze import MazeEnv
-from gyre.rollout.episodes import RolloutStats, demonstrate, run_episodes, stop_ids
+from gyre.rollout.demonstrate import demonstrate
+from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids
 from gyre.types import SamplingParams
 from helpers import RecordingEngine
 

@@ -240,9 +240,9 @@ def test_score_mask_scores_only_what_it_needs(make_tiny_model, monkeypatch, opts
     batch = collate(trajs, 0, CPU)
     fed = _fed_positions(monkeypatch)
     with torch.no_grad():
-        ref, ref_ent = token_logprobs(model, batch, with_entropy=True, options=PLAIN)
+        ref, ref_ent = token_logprobs(model, batch, entropy="metric", options=PLAIN)
         got, ent = token_logprobs(
-            model, batch, with_entropy=True, options=opts, score_mask=batch.loss_mask
+            model, batch, entropy="metric", options=opts, score_mask=batch.loss_mask
         )
     m = batch.loss_mask.bool()
     m[:, 0] = False
@@ -299,7 +299,7 @@ def test_nothing_to_score_still_backpropagates(make_tiny_model):
     model = make_tiny_model(seed=1)
     batch = collate(_trajs(3), 0, CPU)
     zero = torch.zeros_like(batch.loss_mask)
-    logp, ent = token_logprobs(model, batch, with_entropy=True, score_mask=zero)
+    logp, ent = token_logprobs(model, batch, entropy="metric", score_mask=zero)
     assert torch.all(logp == 0) and torch.all(ent == 0)
     (logp * 3.0).sum().backward()
     for p in model.parameters():

@@ -18,8 +18,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from gyre.checkpoint.store import write_model_dir
-from gyre.engines.serve_requests import MIN_TEMPERATURE, ApiError
-from gyre.engines.server import ModelHost, create_app
+from gyre.serve.requests import MIN_TEMPERATURE, ApiError
+from gyre.serve.server import ModelHost, create_app
 
 
 def _adapter(base_dir: Path, out: Path, fill: float | None = None) -> Path:
@@ -374,20 +374,20 @@ def test_fuzzed_bodies_never_give_a_5xx_or_plain_text(client, files):
 
 
 def _ns(*argv: str):
-    from gyre.engines.server import _parser
+    from gyre.serve.server import _parser
 
     return _parser().parse_args(["MODEL", *argv])
 
 
 def test_loopback_names():
-    from gyre.engines.server import is_loopback
+    from gyre.serve.server import is_loopback
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "myhost.example"))
 
 
 def test_api_key_sources(tmp_path, monkeypatch, capsys):
-    from gyre.engines.server import _api_key
+    from gyre.serve.server import _api_key
 
     monkeypatch.setenv("GYRE_API_KEY", "from-env")
     assert _api_key(_ns()) == "from-env"
@@ -405,7 +405,7 @@ def test_api_key_sources(tmp_path, monkeypatch, capsys):
 
 
 def test_open_server_rules(capsys):
-    from gyre.engines.server import _check_exposure
+    from gyre.serve.server import _check_exposure
 
     _check_exposure(_ns("--host", "0.0.0.0"), "key")  # a key: any bind, no warning
     assert capsys.readouterr().err == ""

@@ -13,10 +13,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from gyre.engines.server import ModelHost, create_app
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.vision import image_data_uri, image_from_uri, load_vlm, vision_of
 from gyre.rollout.chat import ChatTemplate
+from gyre.serve.server import ModelHost, create_app
 from gyre.types import GenerationRequest, SamplingParams
 from vision_helpers import square, tiny_vlm
 

@@ -7,7 +7,7 @@ import pytest
 
 from gyre.config import load_config
 from gyre.models.build import build_char_tokenizer
-from gyre.trainer.warmstart import MAX_TRIES_PER_DEMO, _demos, demonstrations
+from gyre.sft import MAX_TRIES_PER_DEMO, _demos, demonstrations
 from gyre.types import Trajectory
 
 
@@ -53,7 +53,7 @@ def test_maze_demonstrations_are_all_successes_and_cached_apart(tmp_path):
 def test_a_stop_signal_ends_the_demonstrations_and_caches_nothing(tmp_path):
     """SIGTERM / SIGINT while the SFT demonstrations are played (minutes on image envs) stops
     at the next one: nothing is cached, and a later call plays them all."""
-    from gyre.trainer.warmstart import DemosStopped
+    from gyre.sft import DemosStopped
 
     tok = build_char_tokenizer()
     cfg = load_config(None, ["sft.demos=30", f"run.dir={tmp_path}"])
@@ -76,7 +76,7 @@ def test_run_sft_stopped_while_playing_demonstrations_is_a_preemption(tmp_path):
     step, naming no checkpoint; run.resume=auto then starts over."""
     from gyre import loop
     from gyre.checkpoint.resume import Preempted, StopGuard
-    from gyre.trainer.warmstart import run_sft
+    from gyre.sft import run_sft
 
     cfg = load_config(None, ["sft.demos=30", "sft.steps=2", f"run.dir={tmp_path}"])
     run_dir, device = loop.setup(cfg)

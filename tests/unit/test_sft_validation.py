@@ -17,10 +17,10 @@ from gyre.config import load_config
 from gyre.models.build import load_pretrained
 from gyre.models.vision import load_vlm, vision_of
 from gyre.rollout.evaluate import EVAL_SEED_BASE, validation_seeds
+from gyre.sft import demonstrations, run_sft, validation_demos
 from gyre.trainer.batch import collate
 from gyre.trainer.sft import sft_step, sft_validate
 from gyre.trainer.stepwise import expand_steps
-from gyre.trainer.warmstart import demonstrations, run_sft, validation_demos
 from helpers import save_qwen2_bpe
 from vision_helpers import tiny_vlm
 

@@ -39,7 +39,7 @@ def _update(base, trajs, pad, settings, adv, steps: int = 1):
     for a in adv[:steps]:
         batch = collate(trajs, pad, CPU)
         m.update(prepare_batch(model, batch, settings))
-        m.update(policy_update(model, opt, batch, a, settings, None, torch.Generator()))
+        m.update(policy_update(model, opt, batch, a, settings, generator=torch.Generator()))
     return model, m
 
 

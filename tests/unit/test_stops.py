@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from gyre.config import load_config
+from gyre.engines.base import EngineFeatures
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.rollout.core import run_stops, sampling_params
-from gyre.rollout.episodes import demonstrate, run_episodes, stop_ids
+from gyre.rollout.demonstrate import demonstrate
+from gyre.rollout.episodes import run_episodes, stop_ids
 from gyre.rollout.stops import cut_at_stop, derive_stops, newline_id
 from gyre.types import Completion, SamplingParams
 from helpers import bpe_chat_tokenizer
@@ -20,6 +22,7 @@ class ScriptedEngine:
     """Answers every request with the next completion of ``script`` (finish "length")."""
 
     version = 0
+    features = EngineFeatures()
 
     def __init__(self, script: list[list[int]]) -> None:
         self.script = list(script)

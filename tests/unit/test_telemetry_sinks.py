@@ -14,7 +14,7 @@ import pytest
 
 from gyre.config import ConfigError, TelemetryConfig, load_config
 from gyre.envs.maze import MazeEnv
-from gyre.telemetry.samples import SampleWriter, action_spans, replay_maze
+from gyre.telemetry.samples import SampleWriter, action_spans
 from gyre.types import Trajectory
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -175,7 +175,7 @@ def test_action_spans():
     assert action_spans([0, 0]) == []
 
 
-def test_replay_maze_follows_the_env():
+def test_maze_render_episode_follows_the_env():
     env = MazeEnv()
     env.reset(3)
     rng = np.random.default_rng(0)
@@ -185,14 +185,15 @@ def test_replay_maze_follows_the_env():
         env.step(a)
         actions.append(a)
         positions.append(list(env.pos))
-    rec = replay_maze(MazeEnv(), 3, actions)
-    assert rec["positions"] == positions and rec["success"]
+    out = MazeEnv().render_episode(3, actions)
+    rec = out["maze"]
+    assert rec["positions"] == positions and out["success"]
     assert rec["positions"][-1] == rec["goal"] and len(rec["walls"]) == 5
     assert rec["walls"][rec["start"][0]][rec["start"][1]] == "."
 
 
 def test_sample_writer_fraction_determinism_and_maze(tmp_path, tokenizer):
-    from gyre.rollout.episodes import demonstrate
+    from gyre.rollout.demonstrate import demonstrate
 
     make_env = MazeEnv
     rng = np.random.default_rng(0)
@@ -282,7 +283,7 @@ def test_wandb_sink_calls(tmp_path, monkeypatch):
 
 
 def test_samples_jsonl_stays_strict_json_with_non_finite_rewards(tmp_path, tokenizer):
-    from gyre.rollout.episodes import demonstrate
+    from gyre.rollout.demonstrate import demonstrate
 
     rng = np.random.default_rng(0)
     trajs = [demonstrate(MazeEnv, tokenizer, 100 + k, 0.0, rng) for k in range(3)]

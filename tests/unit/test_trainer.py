@@ -64,7 +64,7 @@ def test_token_logprobs_alignment(make_tiny_model, tokenizer):
     short = Trajectory([1, 30, 31], [0, 1, 1], [0.0] * 3, 0.0, 0, 0, 1, False, 0)
     batch = collate([long, short], tokenizer.pad_token_id, CPU)
     with torch.no_grad():
-        lp, ent = token_logprobs(model, batch, with_entropy=True)
+        lp, ent = token_logprobs(model, batch, entropy="metric")
         alone = torch.log_softmax(model(input_ids=torch.tensor([[1, 30, 31]])).logits, -1)
     assert lp.shape == (2, 5) and lp[0, 0] == 0.0 and lp[1, 0] == 0.0
     torch.testing.assert_close(lp[1, 1], alone[0, 0, 30])

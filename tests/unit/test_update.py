@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gyre.algos import LOSS_AGGREGATIONS, POLICY_LOSSES
+from gyre.trainer.advantages import batch_advantages
 from gyre.trainer.batch import collate, token_logprobs
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.update import (
-    batch_advantages,
     policy_update,
     prepare_batch,
     resolve_old_logprobs,
@@ -65,7 +65,10 @@ def _run(base, trajs, pad_id, settings, adv, *, lr=0.5, ref=None, value_model=No
         adv, _ = batch_advantages("gae", rewards, groups, batch, settings)
     else:
         prepare_batch(model, batch, settings, ref)
-    m = policy_update(model, opt, batch, adv, settings, ref, torch.Generator().manual_seed(7), vm)
+    gen = torch.Generator().manual_seed(7)
+    m = policy_update(
+        model, opt, batch, adv, settings, ref_model=ref, generator=gen, value_model=vm
+    )
     return model, m, vm
 
 
@@ -271,11 +274,12 @@ def test_gae_value_model_learns(make_tiny_model, tokenizer, mode):
         value_clip=10.0,
         loss_agg="token-mean",
     )
+    gae = train_cfg(gamma=1.0, lam=0.95)  # the estimator's numbers
     losses = []
     for _ in range(6):
         batch = collate(trajs, pad, CPU)
         prepare_batch(model, batch, s, value_model=vm)
-        adv, _ = batch_advantages("gae", rewards, groups, batch, s, gamma=1.0, lam=0.95)
+        adv, _ = batch_advantages("gae", rewards, groups, batch, gae)
         gen = torch.Generator().manual_seed(len(losses))
         m = policy_update(model, opt, batch, adv, s, generator=gen, value_model=vm)
         losses.append(m["train/value_loss"])

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from gyre.engines.base import EngineFeatures
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.vision import load_vlm, to_image, vision_of
 from gyre.rollout.chat import ChatMode, ChatTemplate
@@ -31,6 +32,8 @@ def _params(tpl: ChatTemplate, seed: int = 3) -> SamplingParams:
 
 class Recording:
     """An engine wrapper that keeps every completion, by session, in order."""
+
+    features = EngineFeatures()  # lockstep turns: one generate call per turn
 
     def __init__(self, engine: TorchEngine) -> None:
         self.engine, self.version, self.outs = engine, 0, {}

@@ -15,7 +15,8 @@ from gyre.envs import env_factory
 from gyre.envs.maze import MazeEnv
 from gyre.models.vision import load_vlm, vision_of
 from gyre.rollout.chat import ChatMode, ChatTemplate
-from gyre.rollout.episodes import demonstrate, run_episodes
+from gyre.rollout.demonstrate import demonstrate
+from gyre.rollout.episodes import run_episodes
 from gyre.telemetry.frames import replay_frames
 from gyre.types import SamplingParams
 from vision_helpers import tiny_vlm
@@ -81,8 +82,9 @@ def _demo_and_rollout(make, tok, seed, noise, train_on_noise=False, **mode):
     """A demonstration, and run_episodes replaying its replies as the policy's samples."""
     log: list[str] = []
     chat = ChatMode(ChatTemplate(tok), **mode)
-    demo = demonstrate(lambda: Recorder(make(), log), tok, seed, noise,
-                       np.random.default_rng(seed), train_on_noise, chat=chat)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    recorder = lambda: Recorder(make(), log)  # noqa: E731
+    demo = demonstrate(recorder, tok, seed, noise, rng, train_on_noise=train_on_noise, chat=chat)
     actions = list(log)
     engine = ScriptedEngine(tok, actions, chat.template.end_id)
     (traj,) = run_episodes(make, engine, tok, [seed], 1, SamplingParams(), chat=chat)
@@ -151,7 +153,7 @@ def test_context_limit_ends_a_demonstration_as_it_ends_a_rollout(qwen_tok):
 
 
 def test_warm_start_demonstrations_carry_images_and_cache(qwen_tok, tmp_path):
-    from gyre.trainer.warmstart import demonstrations
+    from gyre.sft import demonstrations
 
     over = ["env.name=visual_maze", "sft.demos=3", "model.kind=qwen2_5_vl"]
     cfg = load_config(None, over)
@@ -177,7 +179,7 @@ def test_warm_start_demonstrations_carry_images_and_cache(qwen_tok, tmp_path):
 def test_windowed_demonstrations_share_their_frames(qwen_tok, tmp_path):
     """With step-wise rows (rollout.history_turns=0) an episode and its steps hold the same
     frames: decoded once from the cache, shared, not one copy per holder."""
-    from gyre.trainer.warmstart import demonstrations
+    from gyre.sft import demonstrations
 
     over = ["env.name=visual_maze", "sft.demos=4", "model.kind=qwen2_5_vl",
             "rollout.history_turns=0", "rollout.keep_opening=false"]  # fmt: skip
@@ -382,10 +384,10 @@ def test_tiny_vlm_tower_width_and_position_grid(tmp_path):
 def test_vlm_micro_batches_pad_to_their_own_rows_and_sum_to_the_whole(tmp_path):
     """A VLM batch is cut shortest rows first: each micro-batch pads only to its own longest
     row, and the SFT gradient and the recomputed old log-probs equal one whole-batch forward's."""
+    from gyre.sft import demonstrations, expand_steps
     from gyre.trainer.batch import collate, micro_batches
     from gyre.trainer.sft import sft_step
     from gyre.trainer.update import prepare_batch
-    from gyre.trainer.warmstart import demonstrations, expand_steps
 
     model, tok = load_vlm(tiny_vlm("qwen3_vl", tmp_path / "vlms"), torch.device("cpu"))
     over = ["env.name=visual_maze", "sft.demos=3", "model.kind=qwen3_vl",

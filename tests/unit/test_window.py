@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from chat_helpers import AddEnv, ScriptedEngine, build_chat_tokenizer
-from gyre.algos import Turns, compute_advantages
+from gyre.algos import AdvantageInputs, AdvantageSettings, Turns, compute_advantages
 from gyre.config import load_config, load_recipe
 from gyre.engines.torch_engine import TorchEngine
 from gyre.envs.maze import MazeEnv
 from gyre.rollout.chat import ChatMode, ChatTemplate
-from gyre.rollout.episodes import demonstrate, run_episodes
+from gyre.rollout.demonstrate import demonstrate
+from gyre.rollout.episodes import run_episodes
 from gyre.rollout.window import Window, window_messages
 from gyre.trainer.batch import collate, token_logprobs
 from gyre.trainer.stepwise import expand_steps, turn_row_advantages
@@ -160,13 +161,13 @@ def test_turn_credit_on_rows_equals_it_on_whole_episodes():
     mask = torch.tensor([(t.loss_mask + [0] * 5)[:5] for t in eps], dtype=torch.float)
     rewards = torch.tensor([t.reward for t in eps])
     groups = torch.tensor([0, 0, 0])
-    whole, _ = compute_advantages("gigpo", rewards, groups, loss_mask=mask, turns=turns, gamma=0.9)
+    settings = AdvantageSettings(eps=1e-6, gamma=0.9)
+    inputs = AdvantageInputs(loss_mask=mask, turns=turns)
+    whole, _ = compute_advantages("gigpo", rewards, groups, inputs, settings)
     rows, episodes = expand_steps(eps)
-    train = load_config(None, []).train
-    adv = turn_row_advantages(
-        "gigpo", torch.tensor([r.reward for r in rows]), torch.tensor([r.group_id for r in rows]),
-        episodes, train, 1e-6, 0.9, {"turns": turns},
-    )  # fmt: skip
+    row_rewards = torch.tensor([r.reward for r in rows])
+    row_groups = torch.tensor([r.group_id for r in rows])
+    adv = turn_row_advantages("gigpo", row_rewards, row_groups, episodes, turns, settings)
     want = [float(whole[e, k + 1]) for e, t in enumerate(eps) for k in range(t.num_turns)]
     assert torch.allclose(adv, torch.tensor(want), atol=1e-6)
     # the bump (s1 -> s1) of episode 0 gets less than the move out of s1 of episode 1

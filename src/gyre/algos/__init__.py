@@ -6,13 +6,18 @@ Three axes kept apart: the advantage estimator (:mod:`.advantages`), the per-tok
 policy update's loss is the sum of the named terms of :mod:`.terms`.
 """
 
+from gyre.algos import advantages as _advantages
 from gyre.algos.advantages import (
     ADVANTAGES,
-    TOKEN_LEVEL,
+    ESTIMATORS,
+    AdvantageInputs,
+    AdvantageSettings,
+    Estimator,
     compute_advantages,
     dr_grpo_advantages,
     gae_advantages,
     get_advantage_fn,
+    get_estimator,
     grpo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
@@ -49,10 +54,13 @@ from gyre.algos.turns import Turns, gigpo_advantages, turn_returns_advantages
 
 __all__ = [
     "ADVANTAGES",
+    "ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
-    "TOKEN_LEVEL",
+    "AdvantageInputs",
+    "AdvantageSettings",
+    "Estimator",
     "LossParams",
     "StepCounts",
     "Turns",
@@ -65,6 +73,7 @@ __all__ = [
     "entropy_term",
     "gae_advantages",
     "get_advantage_fn",
+    "get_estimator",
     "get_kl_fn",
     "get_policy_loss_fn",
     "gigpo_advantages",
@@ -88,3 +97,7 @@ __all__ = [
     "turn_returns_advantages",
     "value_term",
 ]
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    return _advantages.deprecated_name_set(name)  # TOKEN_LEVEL, ...: kept one version

@@ -11,8 +11,9 @@ Two kinds, both in the one registry:
   which also read the trajectories' turns.
 
 :func:`compute_advantages` calls any of them with the same keyword bundle, so the training loop
-does not branch on the name. To add one: write the function, add it to :data:`ADVANTAGES`, and
-to :data:`TOKEN_LEVEL` if it returns (N, T). The formulas and papers are in docs/algorithms.md.
+does not branch on the name. To add one: write the function and add its :class:`Estimator`
+record (the function, its level, what it reads) to :data:`ESTIMATORS`. The formulas and papers
+are in docs/algorithms.md.
 
 Token convention (see gyre.types): position t of a row holds token t; ``loss_mask[t] == 1`` on
 policy-written tokens. In a multi-turn episode the observation tokens between turns are not
@@ -21,12 +22,14 @@ time steps: discounting and GAE run over the policy tokens only, in order.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from gyre.algos.groups import _group_stats, grpo_advantages
+from gyre.algos.groups import group_stats, grpo_advantages
 from gyre.algos.registry import lookup
 from gyre.algos.turns import Turns, gigpo_advantages, turn_returns_advantages
 
@@ -40,7 +43,7 @@ def dr_grpo_advantages(
     bias); Dr. GRPO drops it. ``eps`` is accepted for a uniform signature and unused.
     """
     rewards = rewards.float().cpu()
-    mean, _, _ = _group_stats(rewards, group_ids.cpu())
+    mean, _, _ = group_stats(rewards, group_ids.cpu())
     return rewards - mean
 
 
@@ -53,7 +56,7 @@ def rloo_advantages(
     ``eps`` is accepted for a uniform signature and unused.
     """
     rewards = rewards.float().cpu()
-    mean, _, count = _group_stats(rewards, group_ids.cpu())
+    mean, _, count = group_stats(rewards, group_ids.cpu())
     loo = (rewards - mean) * count / (count - 1).clamp(min=1)
     return torch.where(count > 1, loo, torch.zeros_like(loo))
 
@@ -154,7 +157,7 @@ def reinforce_pp_baseline_advantages(
     stable across batches (OpenRLHF's ``reinforce_baseline``).
     """
     rewards = rewards.float().cpu()
-    mean, _, _ = _group_stats(rewards, group_ids.cpu())
+    mean, _, _ = group_stats(rewards, group_ids.cpu())
     return reinforce_pp_advantages(
         (rewards - mean).to(loss_mask.device),
         group_ids,
@@ -208,77 +211,133 @@ def gae_advantages(
 
 
 AdvantageFn = Callable[..., Any]
-ADVANTAGES: dict[str, AdvantageFn] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-    "gae": gae_advantages,
-    "gigpo": gigpo_advantages,
-    "turn_returns": turn_returns_advantages,
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator and what it reads; :data:`ESTIMATORS` holds them by name.
+
+    ``level``: ``"outcome"`` (one advantage per trajectory, (N,)) or ``"token"`` ((N, T); reads
+    the loss mask). ``needs_turns``: reads the trajectories' turns (:class:`Turns`);
+    ``needs_values``: reads a value model's values and returns value targets (GAE);
+    ``whitens``: whitens with ``whiten_std``; ``step_terms``: reads GiGPO's ``step_weight`` and
+    ``step_norm``.
+    """
+
+    fn: AdvantageFn
+    level: Literal["outcome", "token"] = "outcome"
+    needs_turns: bool = False
+    needs_values: bool = False
+    whitens: bool = False
+    step_terms: bool = False
+
+    @property
+    def token_level(self) -> bool:
+        return self.level == "token"
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What a token estimator reads beyond the rewards (N,) and group ids (N,)."""
+
+    loss_mask: torch.Tensor | None = None  # (N, T)
+    token_rewards: torch.Tensor | None = None  # (N, T): a per-token reward (KL in the reward)
+    values: torch.Tensor | None = None  # (N, T): the value model's (needs_values)
+    turns: Turns | None = None  # needs_turns
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """The estimators' numbers (``train.adv_eps`` and ``train.algo.*``); each reads its own."""
+
+    eps: float = 1e-6
+    gamma: float = 1.0
+    lam: float = 1.0
+    step_weight: float = 1.0
+    step_norm: str = "std"
+    whiten_std: str = "population"
+    self_loops: str = "keep"
+
+
+_TOKEN: Literal["token"] = "token"
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(grpo_advantages),
+    "dr_grpo": Estimator(dr_grpo_advantages),
+    "rloo": Estimator(rloo_advantages),
+    "reinforce_pp": Estimator(reinforce_pp_advantages, _TOKEN, whitens=True),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_advantages, _TOKEN, whitens=True),
+    "gae": Estimator(gae_advantages, _TOKEN, needs_values=True, whitens=True),
+    "gigpo": Estimator(gigpo_advantages, _TOKEN, needs_turns=True, step_terms=True),
+    "turn_returns": Estimator(turn_returns_advantages, _TOKEN, needs_turns=True),
 }
-TOKEN_LEVEL = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae", "gigpo", "turn_returns"})
-NEEDS_VALUES = frozenset({"gae"})
-NEEDS_TURNS = frozenset({"gigpo", "turn_returns"})  # read the trajectories' turns (algos.turns)
-WHITENS = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
+ADVANTAGES: dict[str, AdvantageFn] = {name: e.fn for name, e in ESTIMATORS.items()}
+
+# The name sets these four once were, derived from ESTIMATORS; kept one version.
+_DEPRECATED_SETS: dict[str, Callable[[Estimator], bool]] = {
+    "TOKEN_LEVEL": lambda e: e.token_level,
+    "NEEDS_VALUES": lambda e: e.needs_values,
+    "NEEDS_TURNS": lambda e: e.needs_turns,
+    "WHITENS": lambda e: e.whitens,
+}
+
+
+def deprecated_name_set(name: str, stacklevel: int = 2) -> frozenset[str]:
+    """One of the deprecated name sets, derived from :data:`ESTIMATORS`, with a warning; an
+    AttributeError for any other name (a module ``__getattr__``)."""
+    if name not in _DEPRECATED_SETS:
+        raise AttributeError(f"module 'gyre.algos' has no attribute {name!r}")
+    warnings.warn(
+        f"gyre.algos.{name} is deprecated: read gyre.algos.ESTIMATORS[name] "
+        "(.level, .needs_turns, .needs_values, .whitens)",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return frozenset(n for n, e in ESTIMATORS.items() if _DEPRECATED_SETS[name](e))
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    return deprecated_name_set(name)
+
+
+def get_estimator(name: str) -> Estimator:
+    return lookup(ESTIMATORS, name, "advantage estimator")
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
-    return lookup(ADVANTAGES, name, "advantage estimator")
+    return get_estimator(name).fn
 
 
 def compute_advantages(
     name: str,
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
-    *,
-    loss_mask: torch.Tensor | None = None,
-    token_rewards: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    turns: Turns | None = None,
-    step_weight: float = 1.0,
-    step_norm: str = "std",
-    whiten_std: str = "population",
-    self_loops: str = "keep",
+    inputs: AdvantageInputs | None = None,
+    settings: AdvantageSettings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run estimator ``name``; returns (advantages (N,) or (N, T), value targets or None).
 
     Outcome estimators see ``rewards`` already shaped by the caller (a KL-in-reward penalty is
-    summed into the per-trajectory reward); token estimators get ``token_rewards`` per token.
-    The turn estimators (``gigpo``, ``turn_returns``) read ``turns``; ``gigpo`` also
-    ``step_weight`` and ``step_norm``; both ``self_loops``; the whitening ones ``whiten_std``.
+    summed into the per-trajectory reward); token estimators get ``inputs.token_rewards`` per
+    token. Each estimator is passed what its :class:`Estimator` record says it reads.
     """
-    fn = get_advantage_fn(name)
-    if name not in TOKEN_LEVEL:
-        return fn(rewards, group_ids, eps=eps), None
-    if loss_mask is None:
+    est = get_estimator(name)
+    x = inputs or AdvantageInputs()
+    s = settings or AdvantageSettings()
+    if not est.token_level:
+        return est.fn(rewards, group_ids, eps=s.eps), None
+    if x.loss_mask is None:
         raise ValueError(f"advantage estimator {name!r} needs the loss mask (token level)")
-    if name in NEEDS_TURNS:
-        kw: dict[str, Any] = {"step_weight": step_weight, "step_norm": step_norm}
-        adv = fn(
-            rewards, group_ids, loss_mask=loss_mask, turns=turns, gamma=gamma, eps=eps,
-            self_loops=self_loops, **(kw if name == "gigpo" else {}),
-        )  # fmt: skip
-        return adv, None
-    if name in NEEDS_VALUES:
-        if values is None:
-            raise ValueError(f"advantage estimator {name!r} needs values from a value model")
-        adv, ret = fn(
-            rewards,
-            group_ids,
-            loss_mask=loss_mask,
-            values=values,
-            token_rewards=token_rewards,
-            gamma=gamma,
-            lam=lam,
-            whiten_std=whiten_std,
-        )
-        return adv, ret
-    return fn(
-        rewards, group_ids, loss_mask=loss_mask, token_rewards=token_rewards, gamma=gamma,
-        whiten_std=whiten_std,
-    ), None  # fmt: skip
+    kw: dict[str, Any] = {"loss_mask": x.loss_mask, "gamma": s.gamma}
+    if est.needs_turns:
+        kw |= {"turns": x.turns, "eps": s.eps, "self_loops": s.self_loops}
+    else:
+        kw["token_rewards"] = x.token_rewards
+    if est.step_terms:
+        kw |= {"step_weight": s.step_weight, "step_norm": s.step_norm}
+    if est.whitens:
+        kw["whiten_std"] = s.whiten_std
+    if not est.needs_values:
+        return est.fn(rewards, group_ids, **kw), None
+    if x.values is None:
+        raise ValueError(f"advantage estimator {name!r} needs values from a value model")
+    return est.fn(rewards, group_ids, values=x.values, lam=s.lam, **kw)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def _group_stats(
+def group_stats(
     rewards: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-trajectory (group mean, group unbiased std, group size), vectorised by scatter."""
@@ -28,5 +28,5 @@ def grpo_advantages(
     are all equal gets advantage 0 for every member. Each group's advantages sum to zero.
     """
     rewards = rewards.float().cpu()
-    mean, std, _ = _group_stats(rewards, group_ids.cpu())
+    mean, std, _ = group_stats(rewards, group_ids.cpu())
     return (rewards - mean) / (std + eps)

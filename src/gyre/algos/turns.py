@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyre.algos.groups import _group_stats, grpo_advantages
+from gyre.algos.groups import group_stats, grpo_advantages
 
 
 @dataclass
@@ -233,7 +233,7 @@ def turn_returns_advantages(
     r = turn_rewards(rewards, turns)
     rets = [discounted_turn_returns(x, gamma) for x in r]
     first = torch.tensor([x[0] if x else float(rewards[i]) for i, x in enumerate(rets)])
-    mean, std, _ = _group_stats(first, group_ids.cpu())
+    mean, std, _ = group_stats(first, group_ids.cpu())
     per_turn = [[float((R - mean[i]) / (std[i] + eps)) for R in rets[i]] for i in range(len(rets))]
     if self_loops != "keep":
         per_turn = _clamp_self_loops(per_turn, turns)

@@ -54,6 +54,7 @@ from gyre.checkpoint.files import (
     verify_dir,
     write_manifest,
 )
+from gyre.config.loading import ENV_RECORD
 from gyre.errors import disk_full_message, is_disk_full
 from gyre.models.vision import save_tokenizer
 
@@ -143,9 +144,6 @@ def fault_point(point: str) -> None:
 
 
 # -- storage -----------------------------------------------------------------------------------
-ENV_RECORD = "gyre_env.json"  # in sft/ and final/: the env (and stop) config it was trained on
-
-
 def write_model_dir(
     final: Path, model: torch.nn.Module, tokenizer: Any, trained_on: dict[str, Any] | None = None
 ) -> Path:

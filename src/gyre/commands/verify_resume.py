@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from gyre.checkpoint.resume import EXIT_OK, EXIT_PREEMPTED
-from gyre.credentials import secrets_to_env
+from gyre.engines.credentials import secrets_to_env
 
 METRIC_FILES = ("sft_metrics.jsonl", "metrics.jsonl")
 MODEL_DIRS = ("sft", "final")
@@ -273,8 +273,8 @@ def verify_resume(
     # 2. the killed run
     t0 = time.perf_counter()
     log = work / "killed.log"
-    _kill_rounds(args, work, killed, log, _kill_plan(rng, lines, kills), step_s, timeout, fork,
-                 report, rng, say)  # fmt: skip
+    run = _KilledRun(args, work, killed, log, timeout, fork, say)
+    _kill_rounds(run, _kill_plan(rng, lines, kills), step_s, report, rng)
     say("[verify-resume] resuming to the end")
     proc = _launch([*args, "run.resume=auto"], killed, log, {}, fork)
     rc = _wait(proc, timeout)
@@ -304,12 +304,29 @@ def _kill_plan(rng: np.random.Generator, lines: int, kills: int) -> list[tuple[s
     return plan
 
 
+@dataclass(frozen=True)
+class _KilledRun:
+    """The run that is killed: its ``gyre train`` args, folders, log, limits and printer."""
+
+    args: list[str]
+    work: Path
+    killed: Path
+    log: Path
+    timeout: float
+    fork: bool
+    say: Any
+
+
 def _kill_rounds(
-    args: list[str], work: Path, killed: Path, log: Path, plan: list[tuple[str, int]],
-    step_s: float, timeout: float, fork: bool, report: VerifyReport, rng: np.random.Generator,
-    say: Any,
-) -> None:  # fmt: skip
+    run: _KilledRun,
+    plan: list[tuple[str, int]],
+    step_s: float,
+    report: VerifyReport,
+    rng: np.random.Generator,
+) -> None:
     """Launch (resume=auto) and kill the run once per entry of ``plan``, recording events."""
+    args, work, killed, log = run.args, run.work, run.killed, run.log
+    timeout, say = run.timeout, run.say
     for kind, target in plan:
         before = _progress(killed)
         marker = work / "in-checkpoint-write"
@@ -320,7 +337,7 @@ def _kill_rounds(
             else {}
         )
         say(f"[verify-resume] {kind}: launching (resume=auto)")
-        proc = _launch([*args, "run.resume=auto"], killed, log, env, fork)
+        proc = _launch([*args, "run.resume=auto"], killed, log, env, run.fork)
         deadline = time.perf_counter() + timeout
         while proc.poll() is None and time.perf_counter() < deadline:
             if kind == "checkpoint-write" and marker.exists():

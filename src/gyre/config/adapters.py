@@ -6,14 +6,14 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gyre.config.base import SEED_LIMIT, _Section
+from gyre.config.base import SEED_LIMIT, Section
 
 # The built-in text renderers of gyre.envs.gymnasium_env (a 'module:fn' / 'file.py:fn' path is
 # accepted too).
 GYM_RENDERERS = ("auto", "frozen_lake", "taxi", "ansi", "ansi_raw", "obs")
 
 
-class GymnasiumConfig(_Section):
+class GymnasiumConfig(Section):
     """``env.name=gymnasium``: a registered gymnasium env with a Discrete action space."""
 
     id: str = Field(
@@ -97,7 +97,7 @@ class GymnasiumConfig(_Section):
         return names
 
 
-class ReasoningGymConfig(_Section):
+class ReasoningGymConfig(Section):
     """``env.name=reasoning_gym``: a reasoning-gym dataset, scored by its own scorer."""
 
     dataset: str = Field(

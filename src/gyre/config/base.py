@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import types
 from typing import Any, Union, get_args, get_origin
 
@@ -19,7 +18,7 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key and the value."""
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     # allow_inf_nan=False: every float field of every section must be finite (nan/inf would
     # reach the optimizer or the sampler and poison the weights); the error names the key.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -57,6 +56,5 @@ MIN_TEMPERATURE = 1e-2
 THREADS_PER_CORE = 4
 # numpy's legacy seeding (and SeedSequence users such as the data order) take [0, 2**32).
 SEED_LIMIT = 2**32
-_DEVICE_RE = re.compile(r"^(cpu|auto|mps|cuda(:\d+)?)$")
 # What a secret is written as in config.yaml, checkpoints and logs.
 REDACTED = "***"

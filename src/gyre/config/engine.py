@@ -13,11 +13,11 @@ from pydantic import (
 
 from gyre.config.base import (
     REDACTED,
-    _Section,
+    Section,
 )
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     kind: Literal["torch", "http"] = Field(
         "torch", description="torch: in-process engine; http: OpenAI-compatible servers."
     )
@@ -80,7 +80,7 @@ class EngineConfig(_Section):
         return self
 
 
-class PerfConfig(_Section):
+class PerfConfig(Section):
     """Speed switches of the trainer's scoring and the torch engine (docs/performance.md).
 
     The defaults are the fast paths. Each switch exists to measure what it buys; results agree

@@ -14,13 +14,13 @@ from typing import Any
 from pydantic import Field, create_model, field_validator, model_validator
 
 from gyre.config.adapters import GymnasiumConfig, ReasoningGymConfig
-from gyre.config.base import _Section
+from gyre.config.base import Section
 from gyre.config.run import ArithmeticConfig, DatasetConfig
 from gyre.config.visual import MiniGridConfig, VisualMazeConfig
 from gyre.envs.maze import MazeConfig
 
 # env.name -> (its section class, the section's one-line description)
-ENV_SECTIONS: dict[str, tuple[type[_Section], str]] = {
+ENV_SECTIONS: dict[str, tuple[type[Section], str]] = {
     "maze": (MazeConfig, "Maze settings (gyre.envs.maze)."),
     "arithmetic": (ArithmeticConfig, "Arithmetic settings."),
     "dataset": (DatasetConfig, "Prompt-dataset (JSONL / JSON / Parquet / Arrow) settings."),
@@ -32,7 +32,7 @@ ENV_SECTIONS: dict[str, tuple[type[_Section], str]] = {
 BUILTIN_ENVS = tuple(ENV_SECTIONS)
 
 
-class _EnvBase(_Section):
+class _EnvBase(Section):
     name: str = Field(
         "maze",
         description="A built-in env (maze, arithmetic, dataset, gymnasium, reasoning_gym, "

@@ -53,9 +53,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if first is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None,
-                    f"duplicate key {key!r} (first on line {first})", key_node.start_mark,
-                )  # fmt: skip
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first on line {first})",
+                    key_node.start_mark,
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
@@ -218,6 +220,9 @@ def resolve_run_dir(cfg: Config) -> Path:
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.env.name.rpartition(":")[2])
         cfg.run.dir = str(Path("runs") / f"{name}-{stamp}")
     return Path(cfg.run.dir)
+
+
+ENV_RECORD = "gyre_env.json"  # in sft/ and final/: the env (and stop) config it was trained on
 
 
 def dump_config(cfg: Config) -> str:

@@ -11,11 +11,11 @@ from pydantic import (
 )
 
 from gyre.config.base import (
-    _Section,
+    Section,
 )
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     episodes: int = Field(
         500, ge=0, le=2**31, description="Held-out episodes per evaluation (seeds 2^31 + i)."
     )
@@ -45,7 +45,7 @@ class EvalConfig(_Section):
         return self
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every: int = Field(20, ge=0, description="Checkpoint every N GRPO steps; 0 only at the end.")
     keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
     keep_every: int = Field(
@@ -64,7 +64,7 @@ class CheckpointConfig(_Section):
     )
 
 
-class FaultsConfig(_Section):
+class FaultsConfig(Section):
     max_nonfinite_streak: int = Field(
         3, ge=1, description="Abort after this many steps in a row with a NaN/inf loss or grad."
     )
@@ -76,7 +76,7 @@ class FaultsConfig(_Section):
     )
 
 
-class LogConfig(_Section):
+class LogConfig(Section):
     console: Literal["auto", "rich", "plain", "off"] = Field(
         "auto", description="Console output: rich live view, plain lines, or nothing."
     )
@@ -94,7 +94,7 @@ class LogConfig(_Section):
         return "off" if v is False else v
 
 
-class TelemetryConfig(_Section):
+class TelemetryConfig(Section):
     tensorboard: bool = Field(False, description="Write TensorBoard event files to <run.dir>/tb.")
     prometheus_port: int | None = Field(
         None,

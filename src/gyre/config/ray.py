@@ -10,18 +10,18 @@ from pydantic import (
 )
 
 from gyre.config.base import (
-    _Section,
+    Section,
 )
 
 
-class RoleResources(_Section):
+class RoleResources(Section):
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs one actor of this role reserves.")
     num_gpus: float = Field(
         0.0, ge=0, description="GPUs one actor of this role reserves (fractions share a GPU)."
     )
 
 
-class RayConfig(_Section):
+class RayConfig(Section):
     """The Ray runner (``runner: ray``): actors, placement, async mode and recovery."""
 
     address: str = Field(

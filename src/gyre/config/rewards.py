@@ -10,11 +10,11 @@ from pydantic import (
 )
 
 from gyre.config.base import (
-    _Section,
+    Section,
 )
 
 
-class RewardFnConfig(_Section):
+class RewardFnConfig(Section):
     fn: str = Field(description="Import path 'module:function' of a batched reward function.")
     name: str = Field("", description="Metric name (reward/<name>_mean); default: function name.")
     weight: float = Field(1.0, description="Weight of this term in the total reward.")
@@ -34,7 +34,7 @@ class RewardFnConfig(_Section):
         return v
 
 
-class SandboxConfig(_Section):
+class SandboxConfig(Section):
     timeout_s: float = Field(10.0, gt=0, description="Wall-time limit of one sandboxed call.")
     memory_mb: int = Field(
         1024, ge=64, description="Address-space limit (RLIMIT_AS) of a sandbox worker, in MiB."
@@ -75,7 +75,7 @@ class SandboxConfig(_Section):
     )
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     functions: list[RewardFnConfig] = Field(
         default_factory=list,
         description="Reward functions, each {fn: 'module:function', name, weight, kwargs, "

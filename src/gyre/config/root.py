@@ -12,7 +12,7 @@ from pydantic import (
 )
 
 from gyre.config.base import (
-    _Section,
+    Section,
 )
 from gyre.config.engine import EngineConfig, PerfConfig
 from gyre.config.envs import EnvConfig
@@ -23,7 +23,7 @@ from gyre.config.run import ModelConfig, RolloutConfig, RunConfig
 from gyre.config.train import SFTConfig, TrainConfig
 
 
-class Config(_Section):
+class Config(Section):
     """The whole run. ``Config()`` is every field's own default, for every env alike: nothing
     is filled in behind it. What ``gyre train`` runs with no config file is the shipped maze
     recipe, :func:`gyre.config.load_recipe` (``gyre/recipes/maze.yaml``)."""

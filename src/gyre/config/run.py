@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -12,15 +13,16 @@ from pydantic import (
 )
 
 from gyre.config.base import (
-    _DEVICE_RE,
     SEED_LIMIT,
     THREADS_PER_CORE,
-    _Section,
+    Section,
 )
 from gyre.config.rewards import SandboxConfig
 
+_DEVICE_RE = re.compile(r"^(cpu|auto|mps|cuda(:\d+)?)$")
 
-class RunConfig(_Section):
+
+class RunConfig(Section):
     dir: str = Field("", description="Run directory; empty means runs/<env>-<timestamp>.")
     seed: int = Field(
         0,
@@ -60,7 +62,7 @@ class RunConfig(_Section):
         return v
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     rank: int = Field(8, gt=0, description="LoRA rank r.")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
@@ -70,7 +72,7 @@ class LoraConfig(_Section):
     )
 
 
-class TinyVlmConfig(_Section):
+class TinyVlmConfig(Section):
     hidden_size: int = Field(64, gt=0, description="Tiny VLM: the language model's width.")
     num_layers: int = Field(2, gt=0, description="Tiny VLM: the language model's layers.")
     num_heads: int = Field(4, gt=0, description="Tiny VLM: attention heads.")
@@ -117,7 +119,7 @@ class TinyVlmConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field(
         "",
         description="A Hugging Face model: a local folder, or a hub id (org/name) resolved "
@@ -169,12 +171,12 @@ class ModelConfig(_Section):
         return self
 
 
-class ArithmeticConfig(_Section):
+class ArithmeticConfig(Section):
     max_operand: int = Field(99, gt=0, description="Operands are drawn from [0, max_operand].")
     ops: str = Field("+-", min_length=1, description="Operators to draw from, e.g. '+-*'.")
 
 
-class DatasetConfig(_Section):
+class DatasetConfig(Section):
     path: str = Field(
         "",
         description='Tasks: a JSONL file, one task a line ({"prompt": ..., "answer": ..., ...}), '
@@ -204,7 +206,7 @@ class DatasetConfig(_Section):
     )
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """Where a turn ends, and message-mode rollouts: chat templates, tool calls, limits
     (docs/envs.md)."""
 

@@ -9,11 +9,11 @@ from pydantic import Field, field_validator, model_validator
 from gyre.config.base import (
     MAX_LR,
     MIN_TEMPERATURE,
-    _Section,
+    Section,
 )
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     temperature: float = Field(
         0.6, ge=0.0, description="Sampling temperature; 0 is greedy, else at least 0.01."
     )
@@ -42,7 +42,7 @@ class SamplingConfig(_Section):
         return v
 
 
-class SFTConfig(_Section):
+class SFTConfig(Section):
     steps: int = Field(40, ge=0, description="SFT optimizer steps; 0 skips SFT.")
     batch_size: int = Field(32, gt=0, description="Demonstration episodes per SFT step.")
     lr: float = Field(1e-3, gt=0, le=MAX_LR, description="SFT AdamW learning rate, in (0, 1].")
@@ -73,7 +73,7 @@ class SFTConfig(_Section):
     )
 
 
-class AlgoConfig(_Section):
+class AlgoConfig(Section):
     """The RL algorithm beyond GRPO's defaults; every formula is in docs/algorithms.md."""
 
     @model_validator(mode="after")
@@ -193,7 +193,7 @@ class AlgoConfig(_Section):
     )
 
 
-class DapoConfig(_Section):
+class DapoConfig(Section):
     """DAPO's sampling-side parts (arXiv:2503.14476); clip-higher is train.algo.clip_eps_high."""
 
     dynamic_sampling: bool = Field(
@@ -214,7 +214,7 @@ class DapoConfig(_Section):
     )
 
 
-class LevelReplayConfig(_Section):
+class LevelReplayConfig(Section):
     """Prioritised level replay (Jiang et al. 2021, arXiv:2010.03934) over training tasks."""
 
     prob: float = Field(
@@ -232,7 +232,7 @@ class LevelReplayConfig(_Section):
     )
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(150, ge=0, description="GRPO steps (rollout + update each).")
     tasks_per_step: int = Field(32, gt=0, description="Distinct tasks (prompts) per GRPO step.")
     group_size: int = Field(

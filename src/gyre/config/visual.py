@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from gyre.config.base import _Section
+from gyre.config.base import Section
 
 
-class VisualMazeConfig(_Section):
+class VisualMazeConfig(Section):
     """How ``env.name=visual_maze`` draws the maze; the maze itself is ``env.maze.*``."""
 
     cell_px: int = Field(
@@ -72,7 +72,7 @@ class VisualMazeConfig(_Section):
     )
 
 
-class MiniGridConfig(_Section):
+class MiniGridConfig(Section):
     """``env.name=minigrid``: a MiniGrid env (the ``minigrid`` extra) seen as RGB images."""
 
     env_id: str = Field(

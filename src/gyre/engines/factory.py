@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from gyre.config import Config, PerfConfig
-from gyre.credentials import resolve_api_key
+from gyre.engines.credentials import resolve_api_key
 from gyre.engines.sync import WeightSync
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.vision import vision_of
@@ -33,9 +33,12 @@ def run_torch_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> Tor
     options and the tokenizer's image side (None for text models). Every in-process engine of a
     run is built here: the loop's, the Ray rollout workers', ``gyre eval``'s."""
     return TorchEngine(
-        model, tokenizer.pad_token_id, seed=cfg.run.seed, vision=vision_of(tokenizer),
+        model,
+        tokenizer.pad_token_id,
+        seed=cfg.run.seed,
+        vision=vision_of(tokenizer),
         **torch_engine_options(cfg.perf),
-    )  # fmt: skip
+    )
 
 
 def build_engine(

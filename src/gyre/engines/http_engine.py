@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from gyre.engines.base import EngineFeatures
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class HttpEngine:
     """Engine over a set of OpenAI-compatible completion servers. A request's own
     ``temperature`` is sent in its body in place of the batch's."""
 
-    per_request_temperature = True
+    features = EngineFeatures(per_request_temperature=True, remote=True)
 
     def __init__(
         self,

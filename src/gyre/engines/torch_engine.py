@@ -43,6 +43,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from gyre.engines.base import EngineFeatures
 from gyre.engines.kv_batch import DecodeBatch, Parked, Row, gather_parked
 from gyre.models.lean import LeanForward, lean_for
 from gyre.models.sampling import sample_tokens_keyed, sampling_logprobs
@@ -71,7 +72,7 @@ class TorchEngine:
     A request's own ``temperature`` replaces the batch's for its tokens.
     """
 
-    per_request_temperature = True
+    features = EngineFeatures(continuous=True, per_request_temperature=True, in_process=True)
 
     def __init__(
         self,
@@ -134,6 +135,11 @@ class TorchEngine:
         and drop the parked caches, whose keys/values came from the old weights."""
         self.version = version
         self._parked.clear()
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The sampler's random stream (a run checkpoints it for exact resume)."""
+        return self._generator
 
     def load_weights_from_disk(self, path: str | Path, version: int) -> int:
         """Full-weight sync from a Hugging Face folder's safetensors; returns ``version``."""

@@ -61,6 +61,7 @@ episode also ends when the budget is spent.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -68,7 +69,7 @@ from pydantic import Field, model_validator
 
 # gyre.config.base, not gyre.config: this section is part of the config tree that
 # gyre.config builds (gyre.config.envs), so it must not need that package to be loaded.
-from gyre.config.base import ConfigError, _Section
+from gyre.config.base import ConfigError, Section
 
 MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
@@ -121,7 +122,7 @@ def bfs_distances(walls: np.ndarray, target: tuple[int, int]) -> np.ndarray:
 DemonstratorName = Literal["shortest", "greedy", "lookahead", "careful"]
 
 
-class MazeConfig(_Section):
+class MazeConfig(Section):
     """``env.maze``: the maze of ``env.name=maze`` (and of ``visual_maze``, which draws it).
 
     The run's settings; :class:`MazeEnv`'s own keyword defaults are the plain text maze of the
@@ -300,6 +301,24 @@ class MazeEnv:
         (one seed: the same walls and goal) the cell is what the next move's outcome depends
         on; a move into a wall leaves the key unchanged."""
         return (int(self.pos[0]), int(self.pos[1]))
+
+    def render_episode(self, seed: int, actions: Sequence[str]) -> dict[str, Any]:
+        """The maze of ``seed`` replayed with ``actions``, for ``samples.jsonl`` (the report
+        draws it): ``{"maze": {size, walls, start, goal, budget, shortest, positions},
+        "success": bool}``. The sample writer's optional env hook."""
+        self.reset(seed)
+        walls = ["".join("#" if w else "." for w in row) for row in self.walls]
+        start, goal = list(self.start), list(self.goal)
+        positions, success = [], False
+        for a in actions:
+            _, _, done, info = self.step(a)
+            positions.append(list(self.pos))
+            success = bool(info.get("success", False))
+            if done:
+                break
+        maze = {"size": self.size, "walls": walls, "start": start, "goal": goal}
+        maze |= {"budget": self.budget, "shortest": self.shortest, "positions": positions}
+        return {"maze": maze, "success": success}
 
     def _cell(self, r: int, c: int) -> str:
         if not (0 <= r < self.size and 0 <= c < self.size) or self.walls[r, c]:

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gyre.checkpoint.store import ENV_RECORD
 from gyre.config import Config, EnvConfig, RolloutConfig
+from gyre.config.loading import ENV_RECORD
 
 
 def trained_on(cfg: Config) -> dict[str, Any]:

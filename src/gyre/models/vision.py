@@ -196,8 +196,10 @@ class VisionIO:
             n = int(grid.prod()) // self.merge**2
         else:
             out = self.image_processor(images=[[image]], return_tensors="pt")
-            tensors = {"pixel_values": out["pixel_values"][0],  # (tiles, 3, H, W)
-                       "pixel_attention_mask": out["pixel_attention_mask"][0]}  # fmt: skip
+            tensors = {
+                "pixel_values": out["pixel_values"][0],  # (tiles, 3, H, W)
+                "pixel_attention_mask": out["pixel_attention_mask"][0],
+            }
             probe = self.processor(
                 text=[self.image_token], images=[[image]], add_special_tokens=False
             )
@@ -291,8 +293,9 @@ class VisionIO:
             }
         # Idefics3: (B, tiles, 3, H, W), rows padded with all-zero tiles (the model drops them)
         stacks = [torch.cat([t["pixel_values"] for t in row]) if row else None for row in per]
-        masks = [torch.cat([t["pixel_attention_mask"] for t in row]) if row else None
-                 for row in per]  # fmt: skip
+        masks = [
+            torch.cat([t["pixel_attention_mask"] for t in row]) if row else None for row in per
+        ]
         ref = next(s for s in stacks if s is not None)
         ref_m = next(m for m in masks if m is not None)
         n = max(s.shape[0] if s is not None else 0 for s in stacks)
@@ -386,12 +389,16 @@ def processor_from_parts(config: Any, tokenizer: Any, image_processor: Any) -> V
         else:
             import transformers  # the Qwen-VL processors' video processor needs torchvision
 
-            names = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                     "qwen3_vl": "Qwen3VLProcessor"}  # fmt: skip
+            names = {
+                "qwen2_vl": "Qwen2VLProcessor",
+                "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                "qwen3_vl": "Qwen3VLProcessor",
+            }
             processor = getattr(transformers, names[config.model_type])(
-                image_processor=image_processor, tokenizer=tokenizer,
+                image_processor=image_processor,
+                tokenizer=tokenizer,
                 chat_template=tokenizer.chat_template,
-            )  # fmt: skip
+            )
     except (ValueError, TypeError, AttributeError, ImportError) as exc:
         if config.model_type in IDEFICS_TYPES:
             raise

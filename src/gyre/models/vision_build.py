@@ -24,9 +24,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 QWEN_SPECIALS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|image_pad|>", "<|video_pad|>",
-]  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 
 # Qwen2.5-VL's own chat template (tokenizer_config.json of Qwen/Qwen2.5-VL-*-Instruct), without
 # the video branch and vision ids: a content is a string or a list of image / text parts.
@@ -42,9 +47,13 @@ QWEN_VL_TEMPLATE = (
 )
 
 IDEFICS3_SPECIALS = [
-    "<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>",
-    "<image>", "<global-img>",
-]  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<end_of_utterance>",
+    "<fake_token_around_image>",
+    "<image>",
+    "<global-img>",
+]
 # SmolVLM-Instruct's template: "User:<image>text<end_of_utterance>\nAssistant:".
 IDEFICS3_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
@@ -77,9 +86,13 @@ class LMSize:
         return dict(hidden_size=width, intermediate_size=2 * width, num_heads=max(2, width // 32))
 
     def text_config(self) -> dict[str, Any]:
-        return dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                    num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-                    num_key_value_heads=self.num_kv_heads)  # fmt: skip
+        return dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+        )
 
     @property
     def head_dim(self) -> int:
@@ -116,9 +129,11 @@ def _qwen_parts(patch_size: int) -> tuple[PreTrainedTokenizerFast, dict[str, int
     tok = byte_tokenizer(QWEN_SPECIALS, "<|im_end|>", QWEN_VL_TEMPLATE)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+        patch_size=patch_size,
+        merge_size=2,
+        temporal_patch_size=2,
         size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
-    )  # fmt: skip
+    )
     return tok, ids, image_processor
 
 
@@ -146,23 +161,38 @@ def _qwen(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerFa
     tok, ids, image_processor = _qwen_parts(patch_size=patch)
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tok), **lm.text_config(), max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": lm.mrope_section()},
-            tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=None,
+            vocab_size=len(tok),
+            **lm.text_config(),
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": lm.mrope_section(),
+            },
+            tie_word_embeddings=True,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=None,
             eos_token_id=tok.eos_token_id,
         ),
         vision_config=dict(
-            depth=2, **lm.tower(), patch_size=patch,
-            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=lm.hidden_size,
+            depth=2,
+            **lm.tower(),
+            patch_size=patch,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=lm.hidden_size,
             window_size=4 * patch,
             fullatt_block_indexes=[1],
         ),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config)
@@ -180,21 +210,35 @@ def _qwen3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokenizerF
     tok, ids, image_processor = _qwen_parts(patch_size=patch)
     config = Qwen3VLConfig(
         text_config=dict(
-            vocab_size=len(tok), **lm.text_config(), head_dim=lm.head_dim,
-            max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": lm.mrope_section(), "mrope_interleaved": True},
+            vocab_size=len(tok),
+            **lm.text_config(),
+            head_dim=lm.head_dim,
+            max_position_embeddings=4096,
+            pad_token_id=tok.pad_token_id,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": lm.mrope_section(),
+                "mrope_interleaved": True,
+            },
             tie_word_embeddings=True,
         ),
         vision_config=dict(
-            depth=2, **lm.tower(), patch_size=patch,
-            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=lm.hidden_size,
-            num_position_embeddings=(lm.position_grid or 8) ** 2, deepstack_visual_indexes=[0],
+            depth=2,
+            **lm.tower(),
+            patch_size=patch,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=lm.hidden_size,
+            num_position_embeddings=(lm.position_grid or 8) ** 2,
+            deepstack_visual_indexes=[0],
         ),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3VLForConditionalGeneration(config)
@@ -213,21 +257,32 @@ def _idefics3(seed: int, lm: LMSize) -> tuple[torch.nn.Module, PreTrainedTokeniz
     tok = byte_tokenizer(IDEFICS3_SPECIALS, "<end_of_utterance>", IDEFICS3_TEMPLATE)
     # One 32x32 tile per image (no splitting): 2x2 patches of 16, pixel-shuffled 2x2 -> 1 token.
     image_processor = Idefics3ImageProcessorPil(
-        do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32},
-    )  # fmt: skip
+        do_image_splitting=False,
+        size={"longest_edge": 32},
+        max_image_size={"longest_edge": 32},
+    )
     config = Idefics3Config(
         vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            image_size=32, patch_size=16,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=16,
         ),
         text_config=dict(
-            model_type="llama", vocab_size=len(tok), **lm.text_config(),
-            max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+            model_type="llama",
+            vocab_size=len(tok),
+            **lm.text_config(),
+            max_position_embeddings=4096,
+            pad_token_id=tok.pad_token_id,
             tie_word_embeddings=True,
         ),
-        image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
-        tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Idefics3ForConditionalGeneration(config)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre.models.vision import images_in, vision_of
-from gyre.rollout.window import Window, window_messages
+from gyre.rollout.window import Window, turn_sample, window_messages
 from gyre.types import Completion, Trajectory
 
 _log = logging.getLogger("gyre.rollout.chat")
@@ -85,15 +85,21 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tools=self.tools, add_generation_prompt=generation_prompt,
-            tokenize=False, **self.kwargs,
-        )  # fmt: skip
+            list(messages),
+            tools=self.tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **self.kwargs,
+        )
 
     def render_ids(self, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(
-            list(messages), tools=self.tools, add_generation_prompt=generation_prompt,
-            tokenize=True, **self.kwargs,
-        )  # fmt: skip
+            list(messages),
+            tools=self.tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            **self.kwargs,
+        )
         return _ids(out)
 
     def encode(self, text: str) -> list[int]:
@@ -204,15 +210,11 @@ class ChatEpisode:
             self.text += content + (self.tpl.end_text if self.ended else "")
         self.conv.append({"role": "assistant", "content": content})
         if self.stepwise:
-            p = self.turn_prompt
             self.steps.append(
-                Trajectory(
-                    token_ids=p + ids, loss_mask=[0] * len(p) + [1] * len(ids),
-                    rollout_logprobs=[0.0] * len(p) + list(out.logprobs), reward=0.0,
-                    group_id=0, policy_version=-1, num_turns=1, success=False, task_seed=0,
-                    truncated=out.finish_reason == "length", images=list(self.prompt_images),
+                turn_sample(
+                    self.turn_prompt, ids, out.logprobs, out.finish_reason, self.prompt_images
                 )
-            )  # fmt: skip
+            )
         return content
 
     def observe(self, new: Sequence[Message]) -> list[int]:

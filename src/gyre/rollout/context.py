@@ -12,15 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 from gyre.config import Config
+from gyre.engines.base import Engine
 from gyre.errors import InputError
-from gyre.rollout.episodes import prompt_ids
+from gyre.rollout.transcript import prompt_ids
 
 
-def context_limit(engine: Any) -> int | None:
+def context_limit(engine: Engine) -> int | None:
     """The policy's context in tokens (``max_position_embeddings``), None when unknown (an HTTP
     engine: the server checks its own limit)."""
-    config = getattr(getattr(engine, "model", None), "config", None)
-    n = getattr(config, "max_position_embeddings", None)
+    if not engine.features.in_process:
+        return None
+    n = getattr(engine.model.config, "max_position_embeddings", None)
     return int(n) if isinstance(n, int) and n > 0 else None
 
 

@@ -17,6 +17,7 @@ seed ``train_seed(run.seed, STREAM_GRPO, i)``; every trajectory gets ``group_id 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from gyre.config import Config
+from gyre.engines.base import Engine
 from gyre.engines.factory import build_engine, initial_sync, run_torch_engine
 from gyre.engines.sync import WeightSync
 from gyre.envs import env_factory
@@ -32,8 +34,8 @@ from gyre.rewards import build_rewarder
 from gyre.rollout.chat import ChatMode
 from gyre.rollout.context import check_prompts, context_limit
 from gyre.rollout.dapo import sample_groups
-from gyre.rollout.episodes import RolloutStats, run_episodes
-from gyre.rollout.evaluate import evaluate, train_seed
+from gyre.rollout.episodes import EpisodeOptions, RolloutStats, run_episodes
+from gyre.rollout.evaluate import EvalSettings, evaluate, train_seed
 from gyre.rollout.recorded import RecordedSource
 from gyre.rollout.replay import LevelReplay
 from gyre.rollout.stops import Stops, derive_stops
@@ -64,9 +66,13 @@ def sampling_params(
 ) -> SamplingParams:
     s, stops = cfg.train.sampling, run_stops(cfg, tokenizer, chat)
     return SamplingParams(
-        s.temperature, s.top_p, s.max_new_tokens, stops.token_ids, seed,
+        s.temperature,
+        s.top_p,
+        s.max_new_tokens,
+        stops.token_ids,
+        seed,
         stop_strings=stops.strings,
-    )  # fmt: skip
+    )
 
 
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
@@ -103,12 +109,12 @@ def greedy_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     return {"rollout/greedy_success_rate": float(np.mean([t.success for t in greedy]))}
 
 
-def recorded_source(cfg: Config, tokenizer: Any, engine: Any) -> RecordedSource | None:
+def recorded_source(cfg: Config, tokenizer: Any, engine: Engine) -> RecordedSource | None:
     """``train.source``'s recording, checked against the run's vocab and sampling."""
     if not cfg.train.source:
         return None
-    s, model = cfg.train.sampling, getattr(engine, "model", None)
-    vocab = max(len(tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0)))
+    s, config = cfg.train.sampling, engine.model.config if engine.features.in_process else None
+    vocab = max(len(tokenizer), int(getattr(config, "vocab_size", 0)))
     src = RecordedSource(cfg.train.source, cfg.train.group_size, vocab, s.temperature, s.top_p)
     print(src.describe(), flush=True)
     return src
@@ -134,7 +140,7 @@ class Rollout:
     def __init__(
         self,
         cfg: Config,
-        engine: Any,
+        engine: Engine,
         tokenizer: Any,
         syncer: WeightSync | None = None,
         rewarder: Any = None,
@@ -172,7 +178,7 @@ class Rollout:
         gets a copy (or, with ``engine.weight_sync=shared``, the very same parameters).
         """
         if owns_model and cfg.engine.kind == "torch":
-            engine: Any = run_torch_engine(cfg, model, tokenizer)
+            engine: Engine = run_torch_engine(cfg, model, tokenizer)
             syncer = None
         else:
             engine, syncer = build_engine(cfg, model, tokenizer, run_dir)
@@ -205,23 +211,23 @@ class Rollout:
         cfg, G = self.cfg, self.cfg.train.group_size
         stats = RolloutStats()
         if self.recorded is not None:  # scored already: the agent's or --reward-fn's reward
-            return self.recorded.play(tasks, m, int(getattr(self.engine, "version", 0))), stats
+            return self.recorded.play(tasks, m, int(self.engine.version)), stats
         seeds = [train_seed(cfg.run.seed, STREAM_GRPO, k) for k in tasks]
         params = sampling_params(cfg, self.tokenizer, seed, self.chat)
         greedy = cfg.train.sampling.greedy_per_group
-        trajs = run_episodes(
-            self.make_env, self.engine, self.tokenizer, seeds, G - greedy, params, stats,
-            continuous=cfg.perf.continuous, chat=self.chat,
-            retry_temperature=cfg.train.sampling.retry_temperature, window=self.window,
-        )  # fmt: skip
+        mode: EpisodeOptions = {
+            "continuous": cfg.perf.continuous,
+            "chat": self.chat,
+            "window": self.window,
+            "group_ids": tasks,  # a task's index in the run's task stream is its group
+        }
+        play = functools.partial(run_episodes, self.make_env, self.engine, self.tokenizer, seeds)
+        retry = cfg.train.sampling.retry_temperature
+        trajs = play(G - greedy, params, stats, retry_temperature=retry, **mode)
         if greedy:
-            trajs = with_greedy_episodes(trajs, run_episodes(
-                self.make_env, self.engine, self.tokenizer, seeds, 1,
-                dataclasses.replace(params, temperature=0.0), stats,
-                continuous=cfg.perf.continuous, chat=self.chat, window=self.window,
-            ))  # fmt: skip
+            greedy_params = dataclasses.replace(params, temperature=0.0)
+            trajs = with_greedy_episodes(trajs, play(1, greedy_params, stats, **mode))
         for i, t in enumerate(trajs):
-            t.group_id = tasks[i // G]
             t.traj_id = f"{t.group_id}:{i % G}"
         if self.rewarder is not None:  # t.reward becomes the weighted total
             m = {} if m is None else m
@@ -260,9 +266,11 @@ class Rollout:
         dapo = cfg.train.dapo
         with timed(m, "time/rollout_s"):
             trajs, dapo_m = sample_groups(
-                round_, cfg.train.tasks_per_step, dynamic=dapo.dynamic_sampling,
+                round_,
+                cfg.train.tasks_per_step,
+                dynamic=dapo.dynamic_sampling,
                 max_rounds=dapo.max_rounds,
-            )  # fmt: skip
+            )
         m.update(dapo_m)
         m["perf/rollout_tokens_per_s"] = totals.tokens_per_s
         return trajs, m
@@ -274,15 +282,21 @@ class Rollout:
         if self.recorded is not None:  # the agent's tasks are not gyre's to play
             return out
         s = cfg.train.sampling
-        stops = run_stops(cfg, self.tokenizer, self.chat)
+        settings = EvalSettings(
+            s.temperature,
+            s.max_new_tokens,
+            sampled=cfg.eval.sampled,
+            seed=cfg.run.seed,
+            top_p=s.top_p,
+            continuous=cfg.perf.continuous,
+            stops=run_stops(cfg, self.tokenizer, self.chat),
+            chat=self.chat,
+            window=self.window,
+            score=self._score_eval,
+        )
         for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
             if n:
-                out.update(evaluate(
-                    self.engine, self.make_env, self.tokenizer, n, s.temperature,
-                    s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed,
-                    top_p=s.top_p, split=split, continuous=cfg.perf.continuous, stops=stops,
-                    chat=self.chat, window=self.window, score=self._score_eval,
-                ))  # fmt: skip
+                out.update(evaluate(self.engine, self.make_env, self.tokenizer, n, settings, split))
         return out
 
     def _score_eval(self, trajs: list[Trajectory]) -> None:
@@ -297,8 +311,7 @@ class Rollout:
 
     def generators(self) -> dict[str, Any]:
         """RNG state that carries from step to step (the in-process engine's sampler)."""
-        gen = getattr(self.engine, "_generator", None)
-        return {"engine": gen} if gen is not None else {}
+        return {"engine": self.engine.generator} if self.engine.features.in_process else {}
 
     def start_sync(self, model: torch.nn.Module, sft_base: Path | None) -> None:
         """Before the first rollout of a disk-synced run, give every engine the policy."""
@@ -327,5 +340,5 @@ class Rollout:
             self.toolbox.close()
         if self.rewarder is not None:
             self.rewarder.close()
-        if hasattr(self.engine, "close"):
+        if self.engine.features.remote:
             self.engine.close()

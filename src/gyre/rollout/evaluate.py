@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -21,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from gyre.engines.base import Engine
 from gyre.envs.base import Env
 from gyre.rollout.chat import ChatMode
-from gyre.rollout.episodes import run_episodes
+from gyre.rollout.episodes import EpisodeOptions, run_episodes
 from gyre.rollout.stops import Stops, derive_stops
 from gyre.rollout.window import Window
 from gyre.types import SamplingParams, Trajectory
@@ -53,59 +54,60 @@ def train_seed(run_seed: int, stream: int, index: int) -> int:
     return int(state[0] % EVAL_SEED_BASE)
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How :func:`evaluate` plays (a run's ``train.sampling``, ``eval``, ``perf`` and
+    ``rollout`` keys): greedy and, with ``sampled``, at ``temperature`` / ``top_p``.
+    ``continuous`` is ``perf.continuous`` (see :func:`gyre.rollout.episodes.run_episodes`);
+    ``stops`` the run's (default: derived from the tokenizer); ``chat``: message mode;
+    ``window``: ``rollout.history_turns``; ``score``: the run's reward functions
+    (:meth:`gyre.rewards.Rewarder.score`), which set each trajectory's reward as in training,
+    so the held-out reward is the one GRPO optimises (``<split>/reward_<term>_<mode>`` for each
+    term); success stays the env's own."""
+
+    temperature: float
+    max_new_tokens: int
+    sampled: bool = True
+    seed: int = 0
+    top_p: float = 1.0
+    continuous: bool = True
+    stops: Stops | None = None
+    chat: ChatMode | None = None
+    window: Window | None = None
+    score: Callable[[list[Trajectory]], object] | None = None
+
+
 def evaluate(
     engine: Engine,
     make_env: Callable[[], Env],
     tokenizer: PreTrainedTokenizerBase,
     episodes: int,
-    temperature: float,
-    max_new_tokens: int,
-    sampled: bool = True,
-    seed: int = 0,
-    top_p: float = 1.0,
+    settings: EvalSettings,
     split: str = "eval",
-    continuous: bool = True,
-    stops: Stops | None = None,
-    chat: ChatMode | None = None,
-    window: Window | None = None,
-    score: Callable[[list[Trajectory]], object] | None = None,
 ) -> dict[str, float]:
     """Success rate, mean reward, mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
-    seeds, ``val``: validation), greedy and (with ``sampled``) sampled; metrics
-    ``<split>/success_greedy`` ...; ``continuous`` is ``perf.continuous`` (see
-    :func:`gyre.rollout.episodes.run_episodes`); ``stops`` the run's (default: derived from
-    the tokenizer); ``chat``: message mode; ``window``: ``rollout.history_turns``; ``score``:
-    the run's reward functions (:meth:`gyre.rewards.Rewarder.score`), which set each
-    trajectory's reward as in training -- the held-out reward is then the one GRPO optimises,
-    with ``<split>/reward_<term>_<mode>`` for each term; success stays the env's own."""
+    seeds, ``val``: validation), greedy and (with ``settings.sampled``) sampled; metrics
+    ``<split>/success_greedy`` ..."""
     if split not in ("eval", "val"):
         raise ValueError(f"unknown evaluation split {split!r}; valid: eval, val")
     seeds = eval_seeds(episodes) if split == "eval" else validation_seeds(episodes)
-    stops = derive_stops(tokenizer) if stops is None else stops
+    st = settings
+    stops = derive_stops(tokenizer) if st.stops is None else st.stops
     out: dict[str, float] = {}
-    modes = [("greedy", 0.0, 1.0)] + ([("sampled", temperature, top_p)] if sampled else [])
+    modes = [("greedy", 0.0, 1.0)] + ([("sampled", st.temperature, st.top_p)] if st.sampled else [])
     for name, temp, tp in modes:
         params = SamplingParams(
             temperature=temp,
             top_p=tp,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=st.max_new_tokens,
             stop_token_ids=stops.token_ids,
-            seed=seed,
+            seed=st.seed,
             stop_strings=stops.strings,
         )
-        trajs = run_episodes(
-            make_env,
-            engine,
-            tokenizer,
-            seeds,
-            1,
-            params,
-            continuous=continuous,
-            chat=chat,
-            window=window,
-        )
-        if score is not None and trajs:
-            score(trajs)
+        mode: EpisodeOptions = {"continuous": st.continuous, "chat": st.chat, "window": st.window}
+        trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params, **mode)
+        if st.score is not None and trajs:
+            st.score(trajs)
             for term in trajs[0].info.get("rewards", {}):
                 vals = [t.info["rewards"][term] for t in trajs]
                 out[f"{split}/reward_{term}_{name}"] = float(np.mean(vals))

@@ -87,9 +87,12 @@ def check_record(where: str, rec: Any, vocab: int, temperature: float, top_p: fl
         if not isinstance(s, dict):
             raise ValueError(f"{where}: segments[{k}] is not an object")
         _check_tokens(
-            f"{where}: segments[{k}]", s.get("token_ids"), s.get("loss_mask"),
-            s.get("rollout_logprobs"), vocab,
-        )  # fmt: skip
+            f"{where}: segments[{k}]",
+            s.get("token_ids"),
+            s.get("loss_mask"),
+            s.get("rollout_logprobs"),
+            vocab,
+        )
 
 
 def read_records(
@@ -126,10 +129,16 @@ def group_records(
 
 def _segment(s: dict[str, Any], group_id: int, version: int) -> Trajectory:
     return Trajectory(
-        token_ids=list(s["token_ids"]), loss_mask=list(s["loss_mask"]),
-        rollout_logprobs=[float(x) for x in s["rollout_logprobs"]], reward=0.0,
-        group_id=group_id, policy_version=version, num_turns=1, success=False, task_seed=0,
-    )  # fmt: skip
+        token_ids=list(s["token_ids"]),
+        loss_mask=list(s["loss_mask"]),
+        rollout_logprobs=[float(x) for x in s["rollout_logprobs"]],
+        reward=0.0,
+        group_id=group_id,
+        policy_version=version,
+        num_turns=1,
+        success=False,
+        task_seed=0,
+    )
 
 
 def to_trajectory(rec: dict[str, Any], group_id: int, traj_id: str) -> Trajectory:
@@ -149,12 +158,17 @@ def to_trajectory(rec: dict[str, Any], group_id: int, traj_id: str) -> Trajector
         token_ids=[i for s in segs for i in s.token_ids],
         loss_mask=[m for s in segs for m in s.loss_mask],
         rollout_logprobs=[x for s in segs for x in s.rollout_logprobs],
-        reward=float(rec["reward"]), group_id=group_id,
-        policy_version=whole.policy_version, num_turns=int(rec.get("num_calls", 1)),
-        success=bool(rec.get("success", rec["reward"] > 0)), task_seed=0, info=info,
-        truncated=bool(rec.get("truncated", False)), traj_id=traj_id,
+        reward=float(rec["reward"]),
+        group_id=group_id,
+        policy_version=whole.policy_version,
+        num_turns=int(rec.get("num_calls", 1)),
+        success=bool(rec.get("success", rec["reward"] > 0)),
+        task_seed=0,
+        info=info,
+        truncated=bool(rec.get("truncated", False)),
+        traj_id=traj_id,
         steps=segs if len(segs) > 1 else None,
-    )  # fmt: skip
+    )
     if len(segs) == 1:
         traj.turn_spans = [tuple(x) for x in rec["segments"][0].get("turn_spans", [])]
     return traj

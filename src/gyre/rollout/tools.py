@@ -130,10 +130,14 @@ def get_parser(name: str) -> ToolCallParser:
 
 # -- built-in tools ------------------------------------------------------------------------------
 _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
     ast.Pow: operator.pow,
-}  # fmt: skip
+}
 _UNOPS: dict[type, Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
@@ -207,8 +211,14 @@ class PythonTool:
             from gyre.rewards.sandbox import SandboxPool
 
             self.pool = SandboxPool(self.cfg, [_PY_FN])
-        req = {"fn": _PY_FN, "prompts": [code], "completions": [""],
-               "columns": {}, "kwargs": {}, "text": True}  # fmt: skip
+        req = {
+            "fn": _PY_FN,
+            "prompts": [code],
+            "completions": [""],
+            "columns": {},
+            "kwargs": {},
+            "text": True,
+        }
         res = self.pool.map([req])[0]
         if not res.ok:
             raise ToolError(f"python {res.kind}: {res.error.strip().splitlines()[-1]}")

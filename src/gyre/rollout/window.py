@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from gyre.types import Trajectory
+
 T = TypeVar("T")
 
 
@@ -79,3 +81,28 @@ def window_messages(window: Window, conv: Sequence[dict[str, Any]]) -> list[dict
     """The messages of a turn's prompt: the system messages, then the selected segments."""
     system, segments = message_segments(conv)
     return system + [m for seg in window.select(segments) for m in seg]
+
+
+def turn_sample(
+    prompt: Sequence[int],
+    toks: Sequence[int],
+    lps: Sequence[float],
+    reason: str,
+    images: Sequence[Any] = (),
+) -> Trajectory:
+    """One turn as a sample of its own: the prompt it was sampled from (mask 0, with its
+    ``images``), then its ids (mask 1)."""
+    p = list(prompt)
+    return Trajectory(
+        token_ids=p + list(toks),
+        loss_mask=[0] * len(p) + [1] * len(toks),
+        rollout_logprobs=[0.0] * len(p) + list(lps[: len(toks)]),
+        reward=0.0,
+        group_id=0,
+        policy_version=-1,
+        num_turns=1,
+        success=False,
+        task_seed=0,
+        truncated=reason == "length",
+        images=list(images),
+    )

@@ -215,8 +215,12 @@ class TrainerRank:
             if not self._pushed:  # first push: under LoRA the servers need the SFT base first
                 run_dir = Path(self.cfg.run.dir)
                 lora_sft = self.cfg.model.lora is not None and (run_dir / "sft").is_dir()
-                initial_sync(self.http_sync, self.trainer.model, version,
-                             run_dir / "sft" if lora_sft else None)  # fmt: skip
+                initial_sync(
+                    self.http_sync,
+                    self.trainer.model,
+                    version,
+                    run_dir / "sft" if lora_sft else None,
+                )
                 self._pushed = True
             else:
                 self.http_sync.sync(self.trainer.model, version)

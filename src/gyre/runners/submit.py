@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gyre.config import load_config
-from gyre.credentials import secrets_to_env
+from gyre.engines.credentials import secrets_to_env
 from gyre.runners.placement import require_ray
 
 
@@ -61,21 +62,30 @@ async def _follow(client: Any, job_id: str) -> None:
         sys.stdout.flush()
 
 
+@dataclass(frozen=True)
+class JobRuntime:
+    """Where and how the job runs (``gyre submit``'s ``--working-dir``, ``--pip``, ``--env``,
+    ``--python``): see :func:`build_job`."""
+
+    working_dir: str = "."
+    pip: list[str] | None = None
+    env_vars: dict[str, str] | None = None
+    python: str = "python"
+
+
 def submit(
     address: str,
     config: str | None,
     overrides: list[str],
-    working_dir: str = ".",
+    runtime: JobRuntime | None = None,
     follow: bool = True,
-    pip: list[str] | None = None,
-    env_vars: dict[str, str] | None = None,
-    python: str = "python",
 ) -> tuple[str, str]:
     """Submit; return (job id, final status -- or 'PENDING'/'RUNNING' without ``follow``)."""
     require_ray()
     from ray.job_submission import JobSubmissionClient
 
-    job = build_job(config, overrides, working_dir, pip, env_vars, python)
+    r = runtime or JobRuntime()
+    job = build_job(config, overrides, r.working_dir, r.pip, r.env_vars, r.python)
     client = JobSubmissionClient(address)
     job_id = client.submit_job(**job)
     print(f"submitted {job_id} to {address}: {job['entrypoint']}", flush=True)

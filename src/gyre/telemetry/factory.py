@@ -9,12 +9,11 @@ training begins, with a message naming the config key.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gyre.config import Config, dump_config
-from gyre.envs import env_factory
 from gyre.telemetry.samples import SampleWriter
 from gyre.telemetry.sinks import ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from gyre.types import Trajectory
@@ -58,11 +57,13 @@ def build_telemetry(
     tokenizer: Any | None = None,
     extra: MetricsSink | None = None,
     title: str = "GRPO",
+    make_env: Callable[[], Any] | None = None,
 ) -> Telemetry:
     """Every sink the config asks for; on any failure the ones already opened are closed.
 
     ``tokenizer`` decodes the sampled episodes for ``samples.jsonl``; without one (a driver that
-    never sees token ids) no samples are written and the console says so.
+    never sees token ids) no samples are written and the console says so. ``make_env`` builds
+    the run's env, whose optional ``render_episode`` hook draws the written episodes.
     """
     t = cfg.telemetry
     sinks: list[MetricsSink] = []
@@ -105,10 +106,8 @@ def build_telemetry(
         raise
     samples = None
     if t.samples > 0 and tokenizer is not None:
-        samples = SampleWriter(
-            run_dir / "samples.jsonl", t.samples, tokenizer, env_factory(cfg.env), cfg.run.seed,
-            frames=t.sample_frames,
-        )  # fmt: skip
+        path = run_dir / "samples.jsonl"
+        samples = SampleWriter(path, t.samples, tokenizer, make_env, cfg.run.seed, t.sample_frames)
     tel = Telemetry(sinks, samples, exporter)
     if t.samples > 0 and tokenizer is None:
         tel.message("telemetry.samples: no tokenizer here, so no samples.jsonl is written")

@@ -185,14 +185,18 @@ def _twin(data: RunData, title: str, left: tuple[str, str], right: tuple[str, st
 
 
 def plot_kl_entropy(data: RunData) -> str | None:
-    return _twin(data, "KL and entropy", ("train/kl", "KL to reference"),
-                 ("train/entropy", "entropy (nats)"))  # fmt: skip
+    return _twin(
+        data, "KL and entropy", ("train/kl", "KL to reference"), ("train/entropy", "entropy (nats)")
+    )
 
 
 def plot_length_throughput(data: RunData) -> str | None:
-    return _twin(data, "Response length and throughput",
-                 ("rollout/response_tokens_mean", "response tokens / episode"),
-                 ("perf/rollout_tokens_per_s", "rollout tokens/s"))  # fmt: skip
+    return _twin(
+        data,
+        "Response length and throughput",
+        ("rollout/response_tokens_mean", "response tokens / episode"),
+        ("perf/rollout_tokens_per_s", "rollout tokens/s"),
+    )
 
 
 def phase_keys(rows: list[dict[str, Any]]) -> list[str]:
@@ -252,8 +256,9 @@ COLORS = {  # RGB of each cell kind in the episode frames
 }
 
 
-def maze_frame(walls: Any, visited: set[tuple[int, int]], goal: tuple[int, int],
-               pos: tuple[int, int]) -> Any:  # fmt: skip
+def maze_frame(
+    walls: Any, visited: set[tuple[int, int]], goal: tuple[int, int], pos: tuple[int, int]
+) -> Any:
     """One frame as an RGB array: a CELL_PX square per cell, the agent a smaller red square."""
     import numpy as np
 

@@ -13,7 +13,8 @@ reward) is written as ``null``, so every line is strict JSON. Maze episodes also
 ``maze``: ``size``, ``walls`` (rows of ``#``/``.``), ``start``, ``goal``, ``budget``,
 ``shortest`` and ``positions`` (the agent's cell after each action), which is what
 ``gyre report`` draws step by step. The maze is rebuilt from ``task_seed`` and the actions
-replayed through the env, so the drawing is what the env did.
+replayed through the env (its optional ``render_episode`` hook, :class:`EpisodeRenderer`; any
+env may offer one), so the drawing is what the env did.
 
 Image episodes (``Trajectory.images``, docs/vision.md): the first ``frames`` written episodes
 of a step (``telemetry.sample_frames``) also get ``frames``: ``file`` (a PNG strip, relative to
@@ -32,11 +33,10 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gyre.envs.maze import MazeEnv
 from gyre.types import Trajectory
 
 STREAM_SAMPLES = 7
@@ -67,28 +67,14 @@ def finite_json(obj: Any) -> Any:
     return obj
 
 
-def replay_maze(env: MazeEnv, seed: int, actions: Sequence[str]) -> dict[str, Any]:
-    """Rebuild the maze of ``seed`` and replay ``actions``: what the report draws."""
-    env.reset(seed)
-    walls = ["".join("#" if w else "." for w in row) for row in env.walls]
-    start, goal = list(env.start), list(env.goal)
-    positions, success = [], False
-    for a in actions:
-        _, _, done, info = env.step(a)
-        positions.append(list(env.pos))
-        success = bool(info.get("success", False))
-        if done:
-            break
-    return {
-        "size": env.size,
-        "walls": walls,
-        "start": start,
-        "goal": goal,
-        "budget": env.budget,
-        "shortest": env.shortest,
-        "positions": positions,
-        "success": success,
-    }
+@runtime_checkable
+class EpisodeRenderer(Protocol):
+    """An env's optional hook for ``samples.jsonl``: ``render_episode(seed, actions)`` replays
+    the episode and returns the JSON fields to add to its record, plus ``success`` (the
+    replay's outcome; the fields are kept only where it matches the episode's). The maze
+    returns ``{"maze": ..., "success": ...}``, which the report draws."""
+
+    def render_episode(self, seed: int, actions: Sequence[str]) -> dict[str, Any]: ...
 
 
 class SampleWriter:
@@ -145,11 +131,11 @@ class SampleWriter:
         }
         env = self.make_env() if self.make_env is not None else None
         # One mask run per turn holds for the built-in envs; if a turn's tokens were merged or
-        # the replay disagrees with the episode's outcome, draw nothing rather than a wrong maze.
-        if isinstance(env, MazeEnv) and len(actions) == t.num_turns:
-            maze = replay_maze(env, t.task_seed, [a.strip() for a in actions])
-            if maze.pop("success") == bool(t.success):
-                rec["maze"] = maze
+        # the replay disagrees with the episode's outcome, draw nothing rather than a wrong one.
+        if isinstance(env, EpisodeRenderer) and len(actions) == t.num_turns:
+            fields = env.render_episode(t.task_seed, [a.strip() for a in actions])
+            if fields.pop("success", None) == bool(t.success):
+                rec.update(fields)
         return rec
 
     def draw(self, step: int, index: int, t: Trajectory, actions: list[str]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ so its position ids are 0..T-1 -- the same positions the engine used for the sam
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -15,6 +15,8 @@ from gyre.models.sampling import sampling_logprobs
 from gyre.trainer.scoring import ScoringOptions, chunked_token_logprobs
 from gyre.trainer.vision import vision_token_logprobs
 from gyre.types import Trajectory
+
+Entropy = Literal["off", "metric", "grad"]  # none; a detached metric; in the graph
 
 
 @dataclass
@@ -137,9 +139,8 @@ def token_logprobs(
     batch: TokenBatch,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    with_entropy: bool = False,
+    entropy: Entropy = "off",
     options: ScoringOptions | None = None,
-    entropy_grad: bool = False,
     score_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, under the sampling distribution.
@@ -152,11 +153,13 @@ def token_logprobs(
     the values are those of the plain path (padding positions read 0). ``options`` (default:
     :class:`ScoringOptions`, the ``perf:`` defaults) picks the paths; with ``pack=False`` and
     ``chunk=0`` this is the plain path.
-    ``entropy_grad`` (an entropy bonus in the loss) takes the plain path: the fast path's
-    entropy is a detached metric. ``score_mask`` (B, T), e.g. the loss mask: only those
+    ``entropy``: ``"off"`` (None), ``"metric"`` (detached) or ``"grad"`` (kept in the autograd
+    graph, for an entropy bonus in the loss: the plain path, as the fast path's entropy is a
+    detached metric). ``score_mask`` (B, T), e.g. the loss mask: only those
     tokens' log-probs (and entropies) are wanted, the others read 0; the fast path then
     computes only the positions they need (see :func:`gyre.trainer.scoring.chunked_token_logprobs`).
     """
+    with_entropy, entropy_grad = entropy != "off", entropy == "grad"
     if batch.images is not None:  # a VLM batch: pixels and positions (gyre.trainer.vision)
         return vision_token_logprobs(model, batch, temperature, top_p, with_entropy, score_mask)
     opts = options if options is not None else ScoringOptions()
@@ -168,9 +171,7 @@ def token_logprobs(
             tok, ent = fast
             return tok, ent if with_entropy else None
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    tok, ent = logits_to_token_logprobs(
-        logits, batch.input_ids, temperature, top_p, with_entropy, entropy_grad
-    )
+    tok, ent = logits_to_token_logprobs(logits, batch.input_ids, temperature, top_p, entropy)
     if score_mask is not None:  # the same values as the fast path: 0 outside the mask
         keep = score_mask.to(tok.dtype)
         tok = tok * keep
@@ -183,21 +184,20 @@ def logits_to_token_logprobs(
     input_ids: torch.Tensor,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
+    entropy: Entropy = "off",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs` from already computed logits (B, T, V).
 
-    ``entropy_grad`` keeps the entropy in the autograd graph (for an entropy bonus); otherwise it
-    is a detached metric.
+    ``entropy="grad"`` keeps the entropy in the autograd graph (for an entropy bonus);
+    ``"metric"`` is a detached metric.
     """
     logp = sampling_logprobs(logits[:, :-1], temperature, top_p)  # (B, T-1, V)
     targets = input_ids[:, 1:].unsqueeze(-1)
     tok = logp.gather(-1, targets).squeeze(-1)  # (B, T-1)
     tok = torch.nn.functional.pad(tok, (1, 0))
     ent = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+    if entropy != "off":
+        with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
             p = logp.exp()
             e = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
             ent = torch.nn.functional.pad(e, (1, 0))

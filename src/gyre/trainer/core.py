@@ -24,21 +24,22 @@ from typing import Any
 
 import torch
 
-from gyre.algos.advantages import NEEDS_TURNS, WHITENS
-from gyre.algos.turns import Turns, self_loop_turns
+from gyre.algos import Turns, get_estimator
+from gyre.algos.turns import self_loop_turns
 from gyre.checkpoint.resume import Checkpointer, check_parameters_finite
 from gyre.checkpoint.snapshot import load_into, seed_everything
-from gyre.config import AlgoConfig, Config
+from gyre.config import Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state
 from gyre.models.vision import vision_of
+from gyre.trainer.advantages import batch_advantages
 from gyre.trainer.batch import collate
 from gyre.trainer.critic import ValueModel
 from gyre.trainer.overlong import apply_overlong
 from gyre.trainer.schedule import build_scheduler
 from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.stepwise import expand_steps
-from gyre.trainer.update import batch_advantages, policy_update, prepare_batch
+from gyre.trainer.update import policy_update, prepare_batch
 from gyre.types import Trajectory
 
 
@@ -132,7 +133,8 @@ class Trainer:
         scoring = ScoringOptions.from_perf(cfg.perf)
         if self.scheduler is not None:
             m["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        est_kw = _estimator_kw(algo, trajs)  # per episode (turn estimators read its turns)
+        needs_turns = get_estimator(algo.advantage).needs_turns
+        turns = Turns.of(trajs) if needs_turns else None  # per episode, before expand_steps
         trajs, episodes = expand_steps(trajs)  # step-wise samples -> rows (trainer/stepwise.py)
         rewards = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.group_id for t in trajs])
@@ -143,25 +145,27 @@ class Trainer:
                 self.model, batch, train, self.ref_model, self.value_model, scoring=scoring
             )
         )
-        adv, adv_m = batch_advantages(
-            algo.advantage, shaped, groups, batch, train,
-            eps=cfg.train.adv_eps, gamma=algo.discount, lam=algo.lam, episodes=episodes,
-            **est_kw,
-        )  # fmt: skip
+        adv, adv_m = batch_advantages(algo.advantage, shaped, groups, batch, train, episodes, turns)
         m.update(adv_m)
-        if algo.advantage in NEEDS_TURNS and algo.self_loop_advantage != "keep":
-            loops = [x for row in self_loop_turns(est_kw["turns"]) for x in row]
+        if turns is not None and algo.self_loop_advantage != "keep":
+            loops = [x for row in self_loop_turns(turns) for x in row]
             m["train/self_loop_turn_frac"] = sum(loops) / max(len(loops), 1)
         gen = torch.Generator()
         gen.manual_seed(cfg.run.seed * 100_003 + step)
         comm = self.comm
         upd = policy_update(
-            self.model, self.optimizer, batch, adv, train, self.ref_model, gen,
-            self.value_model,
+            self.model,
+            self.optimizer,
+            batch,
+            adv,
+            train,
+            ref_model=self.ref_model,
+            generator=gen,
+            value_model=self.value_model,
             reduce_counts=comm.reduce_counts if comm is not None else None,
             sync_grads=self._sync_grads if comm is not None else None,
             scoring=scoring,
-        )  # fmt: skip
+        )
         m.update(upd)
         check_parameters_finite(self.model, "GRPO", step)  # exit 3, nothing synced or saved
         if self.scheduler is not None:
@@ -223,9 +227,17 @@ class Trainer:
         run's :class:`Checkpointer`; None when the write failed and the policy is to go on."""
         extra = self.value_model.save if self.value_model is not None else None
         return ckpt.save(
-            "grpo", step, self.model, self.tokenizer, self.optimizer, state, metrics_path,
-            self.scheduler, generators, extra=extra,
-        )  # fmt: skip
+            "grpo",
+            step,
+            self.model,
+            self.tokenizer,
+            self.optimizer,
+            state,
+            metrics_path,
+            self.scheduler,
+            generators,
+            extra=extra,
+        )
 
     def restore(self, ckpt: Path, generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Optimizer, RNGs and value model from a checkpoint (the policy was loaded by
@@ -234,18 +246,6 @@ class Trainer:
         if self.value_model is not None:
             self.value_model.load(ckpt)
         return state
-
-
-def _estimator_kw(algo: AlgoConfig, trajs: list[Trajectory]) -> dict[str, Any]:
-    """The estimator keywords beyond eps / gamma / lam that ``algo.advantage`` reads."""
-    if algo.advantage in NEEDS_TURNS:
-        kw: dict[str, Any] = {"turns": Turns.of(trajs), "self_loops": algo.self_loop_advantage}
-        if algo.advantage == "gigpo":
-            kw.update(step_weight=algo.gigpo_step_weight, step_norm=algo.gigpo_step_norm)
-        return kw
-    if algo.advantage in WHITENS:
-        return {"whiten_std": algo.whiten_std}
-    return {}
 
 
 def _join_group(

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from gyre.trainer.batch import TokenBatch, logits_to_token_logprobs, token_logprobs
+from gyre.trainer.batch import Entropy, TokenBatch, logits_to_token_logprobs, token_logprobs
 from gyre.trainer.scoring import ScoringOptions
 
 VALUE_MODES = ("critic", "head")
@@ -113,8 +113,7 @@ def policy_forward(
     temperature: float,
     top_p: float,
     *,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
+    entropy: Entropy = "off",
     value_model: ValueModel | None = None,
     options: ScoringOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -136,8 +135,7 @@ def policy_forward(
             batch,
             temperature,
             top_p,
-            with_entropy,
-            entropy_grad=entropy_grad,
+            entropy,
             options=options,
             score_mask=batch.loss_mask,
         )
@@ -148,9 +146,7 @@ def policy_forward(
         attention_mask=batch.attention_mask,
         output_hidden_states=shared,
     )
-    logp, ent = logits_to_token_logprobs(
-        out.logits, batch.input_ids, temperature, top_p, with_entropy, entropy_grad
-    )
+    logp, ent = logits_to_token_logprobs(out.logits, batch.input_ids, temperature, top_p, entropy)
     values = None
     if value_model is not None:
         if shared:

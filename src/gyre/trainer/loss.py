@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gyre.algos import LossParams, masked_token_sum
@@ -10,7 +12,7 @@ from gyre.algos.terms import entropy_term, kl_term, policy_term, rollout_is_term
 from gyre.config import TrainConfig
 from gyre.trainer.batch import TokenBatch
 
-__all__ = ["loss_params", "micro_batch_loss"]
+__all__ = ["TokenTerms", "loss_params", "micro_batch_loss"]
 
 
 def loss_params(train: TrainConfig) -> LossParams:
@@ -18,22 +20,31 @@ def loss_params(train: TrainConfig) -> LossParams:
     return LossParams(train.clip_eps, train.algo.clip_eps_high, train.algo.dual_clip)
 
 
+@dataclass(frozen=True)
+class TokenTerms:
+    """What the loss terms read of one micro-batch, per token (b, T)."""
+
+    logp: torch.Tensor  # the current policy's log-probs
+    old: torch.Tensor  # the old policy's (the ratio's denominator)
+    adv: torch.Tensor  # the advantages, (b,) or (b, T)
+    entropy: torch.Tensor
+    ref_logp: torch.Tensor | None = None  # the KL reference's (with a KL loss)
+    values: torch.Tensor | None = None  # the value model's (with a critic)
+
+
 def micro_batch_loss(
     train: TrainConfig,
     mb: TokenBatch,
     weights: torch.Tensor,
     step_tokens: float,
-    logp: torch.Tensor,
-    old: torch.Tensor,
-    adv: torch.Tensor,
-    ent: torch.Tensor,
-    ref_logp: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
+    terms: TokenTerms,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the step loss, the sum of the named terms, and their metric
     sums. Per token: policy loss x rollout-IS weight, + KL (when ``ref_logp``), + entropy
     bonus; aggregated by ``weights``; + the value loss (when ``values``), in this float order.
     """
+    logp, old, adv, ent = terms.logp, terms.old, terms.adv, terms.entropy
+    ref_logp, values = terms.ref_logp, terms.values
     a = train.algo
     mask = mb.loss_mask
     loss_tok, metrics = policy_term(logp, old, adv, mask, a.policy_loss, loss_params(train))

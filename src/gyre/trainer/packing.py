@@ -33,7 +33,7 @@ class Packed:
         return int(self.input_ids.numel())
 
 
-def _ffd(lengths: list[int]) -> tuple[list[list[int]], list[int], list[int]]:
+def first_fit_rows(lengths: list[int]) -> tuple[list[list[int]], list[int], list[int]]:
     """First-fit decreasing into rows of the longest length: (bins, row, offset) per item."""
     B = len(lengths)
     width = max(lengths)
@@ -63,7 +63,7 @@ def pack_rows(input_ids: torch.Tensor, lengths: list[int], pad_token_id: int) ->
     Row width W is the longest length, so no trajectory is split. The tail of a packed row is
     padding with positions 0, 1, ... (a segment of its own that nothing reads).
     """
-    bins, row, offset = _ffd(lengths)
+    bins, row, offset = first_fit_rows(lengths)
     width = max(lengths)
     rows = input_ids.tolist()  # built as lists, converted once (per-row tensor ops cost more)
     ids_l: list[list[int]] = []

@@ -45,7 +45,13 @@ from torch.utils.checkpoint import checkpoint
 
 from gyre.models.lean import LeanForward, lean_for
 from gyre.models.sampling import sampling_logprobs
-from gyre.trainer.packing import PACK_MIN_SAVING, _ffd, pack_rows, packing_supported, plan_tree
+from gyre.trainer.packing import (
+    PACK_MIN_SAVING,
+    first_fit_rows,
+    pack_rows,
+    packing_supported,
+    plan_tree,
+)
 
 if TYPE_CHECKING:
     from gyre.config import PerfConfig
@@ -172,9 +178,8 @@ def chunked_token_logprobs(
     else:
         ids_in, mask_in, row_in = input_ids[:, :T_in], attention_mask[:, :T_in], b_idx
     lengths = [int(n) for n in in_len[keep].tolist()]
-    hidden, src_row, src_col = _predicting_states(
-        model, decoder, opts, ids_in, mask_in, lengths, row_in, t_idx, pad_token_id
-    )
+    rows = _InputRows(ids_in, mask_in, lengths, row_in, t_idx, pad_token_id)
+    hidden, src_row, src_col = _predicting_states(model, decoder, opts, rows)
     h = gather_states(hidden, src_row, src_col)  # (N, H): the state that predicts (b, t)
     flat_tok, flat_ent = _score_states(h, input_ids[b_idx, t_idx], head, temperature, top_p, opts)
     lp = flat_tok.new_zeros(B, T).index_put((b_idx, t_idx), flat_tok)
@@ -222,19 +227,26 @@ def _nothing_to_score(
     return zeros, head.weight.new_zeros(B, T)
 
 
+@dataclass(frozen=True)
+class _InputRows:
+    """The rows a scoring forward runs over: their ids and mask (B_in, T_in), real lengths,
+    and per scored position its input row and column."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+    row: torch.Tensor
+    col: torch.Tensor
+    pad_token_id: int
+
+
 def _predicting_states(
-    model: torch.nn.Module,
-    decoder: torch.nn.Module,
-    opts: ScoringOptions,
-    ids_in: torch.Tensor,
-    mask_in: torch.Tensor,
-    lengths: list[int],
-    row_in: torch.Tensor,
-    t_idx: torch.Tensor,
-    pad_token_id: int,
+    model: torch.nn.Module, decoder: torch.nn.Module, opts: ScoringOptions, rows: _InputRows
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decoder's last hidden states over the chosen layout -- tree-packed, packed or padded
     -- and, per scored position, the (row, column) of the state that predicts it."""
+    ids_in, mask_in, lengths, row_in, t_idx = rows.ids, rows.mask, rows.lengths, rows.row, rows.col
+    pad_token_id = rows.pad_token_id
     B_in, T_in = ids_in.shape
     device = ids_in.device
     lean = lean_for(model, opts.lean)
@@ -243,7 +255,7 @@ def _predicting_states(
     def plain_or_packed() -> tuple[int, int]:
         """(rows, width) of the layout used if not tree-packed."""
         if opts.pack and B_in > 1 and (lean is not None or packing_supported(decoder)):
-            n_rows = len(_ffd(lengths)[0])  # the packed shape, before building anything
+            n_rows = len(first_fit_rows(lengths)[0])  # the packed shape, before building anything
             if n_rows * max(lengths) <= PACK_MIN_SAVING * B_in * T_in:
                 return (n_rows, max(lengths))
             # else: rows of similar length, packing would save too little to pay

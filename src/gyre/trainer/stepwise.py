@@ -25,11 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 
-from gyre.algos import Turns, compute_advantages
+from gyre.algos import AdvantageInputs, AdvantageSettings, Turns, compute_advantages
 from gyre.types import Trajectory
 
 
@@ -48,11 +47,17 @@ def expand_steps(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], torch.T
         for k, s in enumerate(t.steps or [t]):
             rows.append(
                 replace(
-                    s, reward=t.reward, group_id=t.group_id, policy_version=t.policy_version,
-                    success=t.success, task_seed=t.task_seed, info=t.info, steps=None,
+                    s,
+                    reward=t.reward,
+                    group_id=t.group_id,
+                    policy_version=t.policy_version,
+                    success=t.success,
+                    task_seed=t.task_seed,
+                    info=t.info,
+                    steps=None,
                     traj_id=f"{t.traj_id}/{k}" if t.steps else t.traj_id,
                 )
-            )  # fmt: skip
+            )
             episode.append(e)
     return rows, torch.tensor(episode)
 
@@ -91,20 +96,19 @@ def turn_row_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     episodes: torch.Tensor,
-    train: Any,
-    eps: float | None,
-    gamma: float | None,
-    estimator: dict[str, Any],
+    turns: Turns | None,
+    settings: AdvantageSettings,
 ) -> torch.Tensor:
     """(B,) row advantages of a turn estimator (``gigpo``, ``turn_returns``) on step-wise rows.
 
-    ``estimator["turns"]`` holds the *episodes'* turns (state keys and env rewards per turn,
+    ``turns`` holds the *episodes'* turns (state keys and env rewards per turn,
     :class:`gyre.algos.Turns`); the estimator runs on the episodes as it would on whole
     episodes, with turn k standing for one token at position k, and row r, the k-th row of its
     episode, gets that turn's value. ``rewards`` / ``group_ids`` are per row (equal within an
     episode).
     """
-    turns: Turns = estimator["turns"]
+    if turns is None:
+        raise ValueError(f"advantage estimator {name!r} needs the episodes' turns")
     first = _first_rows(episodes.cpu())
     E = len(first)
     if len(turns.spans) != E:
@@ -118,12 +122,13 @@ def turn_row_advantages(
     one_per_turn = Turns(
         [[(k, k + 1) for k in range(n)] for n in n_turns], turns.states, turns.rewards
     )
-    kw = {k: v for k, v in estimator.items() if k != "turns"}
     adv, _ = compute_advantages(
-        name, rewards.float().cpu()[first], group_ids.cpu()[first], loss_mask=mask,
-        turns=one_per_turn, eps=train.adv_eps if eps is None else eps,
-        gamma=train.algo.discount if gamma is None else gamma, **kw,
-    )  # fmt: skip
+        name,
+        rewards.float().cpu()[first],
+        group_ids.cpu()[first],
+        AdvantageInputs(loss_mask=mask, turns=one_per_turn),
+        settings,
+    )
     n_of = torch.tensor(n_turns)[episodes.cpu()]
     # a row past its episode's turns (a failed episode's one row) gets 0
     return adv[episodes.cpu(), k_of.clamp(max=K - 1)] * (k_of < n_of)

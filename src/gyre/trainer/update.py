@@ -8,7 +8,8 @@ the loop in order:
 1. :func:`prepare_batch` -- no-grad forwards before any weight changes: the trainer's own
    log-probs of the sampled tokens (the *old* policy of PPO's ratio), the reference policy's
    (KL), and the value model's (GAE). Stored in ``batch.extras``.
-2. :func:`batch_advantages` -- KL-in-reward shaping, then the named estimator.
+2. :func:`~gyre.trainer.advantages.batch_advantages` -- KL-in-reward shaping, then the named
+   estimator.
 3. :func:`policy_update` -- ``ppo_epochs`` x mini-batches optimizer steps. Per micro-batch: one
    forward, the loss as the sum of the named terms of :mod:`gyre.algos.terms`
    (:func:`gyre.trainer.loss.micro_batch_loss`) aggregated with weights fixed from the whole
@@ -37,26 +38,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict, Unpack
 
 import torch
 
 from gyre.algos import (
-    TOKEN_LEVEL,
     StepCounts,
     agg_weights,
-    compute_advantages,
-    get_kl_fn,
     masked_token_sum,
 )
-from gyre.algos.advantages import NEEDS_TURNS
 from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
 from gyre.trainer.batch import TokenBatch, consecutive_slices, micro_batches, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
-from gyre.trainer.loss import micro_batch_loss
+from gyre.trainer.loss import TokenTerms, micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
-from gyre.trainer.stepwise import episode_advantages, turn_row_advantages
 
 OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 
@@ -220,75 +216,6 @@ def _old_logprobs_of_rows(
     return out
 
 
-# -- 2. advantages -------------------------------------------------------------------------------
-def batch_advantages(
-    name: str,
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    batch: TokenBatch,
-    train: TrainConfig,
-    *,
-    eps: float | None = None,
-    gamma: float | None = None,
-    lam: float | None = None,
-    episodes: torch.Tensor | None = None,
-    **estimator: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Advantages (B,) or (B, T) for ``batch``; value targets land in ``batch.extras``.
-
-    ``episodes`` (B,): step-wise rows' episode index (:mod:`gyre.trainer.stepwise`): the
-    outcome estimator runs on episodes and each row gets its episode's advantage.
-
-    ``eps``, ``gamma``, ``lam`` default to ``train.adv_eps``, ``train.algo.gamma`` / ``lam``;
-    ``estimator``: further keywords of :func:`gyre.algos.compute_advantages` (``turns``, ...).
-    KL in the reward (``kl_in == 'reward'``, needs ``ref_logprobs`` from :func:`prepare_batch`):
-    token estimators get -kl_coef * KL_t per policy token; outcome estimators get the reward
-    minus kl_coef * sum_t KL_t (the sequence's KL).
-    """
-    metrics: dict[str, float] = {}
-    token_rewards = None
-    mask = batch.loss_mask
-    rewards = rewards.float().to(mask.device)
-    penalty = None
-    if train.algo.kl_in == "reward" and "ref_logprobs" in batch.extras:
-        old = batch.extras.get("old_logprobs", batch.rollout_logprobs)
-        kl = get_kl_fn(train.algo.kl_type)(old, batch.extras["ref_logprobs"]) * mask  # (B, T)
-        metrics["train/kl"] = float(kl.sum() / mask.sum().clamp(min=1))
-        if name in TOKEN_LEVEL:
-            token_rewards = -train.kl_coef * kl
-        elif episodes is not None:
-            penalty = train.kl_coef * kl.sum(dim=1)
-        else:
-            rewards = rewards - train.kl_coef * kl.sum(dim=1)
-    if episodes is not None:
-        if name in NEEDS_TURNS:  # turn-level credit: turn k of an episode is its k-th row
-            adv = turn_row_advantages(
-                name, rewards, group_ids, episodes, train, eps, gamma, estimator
-            )
-            return adv.to(mask.device), metrics
-        if name in TOKEN_LEVEL:
-            raise ValueError(f"step-wise samples need an outcome or turn estimator, not {name!r}")
-        e = train.adv_eps if eps is None else eps
-        fn = lambda r, g: compute_advantages(name, r, g, eps=e)[0]  # noqa: E731
-        adv = episode_advantages(fn, rewards, penalty, group_ids, episodes)
-        return adv.to(mask.device), metrics
-    adv, returns = compute_advantages(
-        name,
-        rewards.cpu() if name not in TOKEN_LEVEL else rewards,
-        group_ids,
-        loss_mask=mask,
-        token_rewards=token_rewards,
-        values=batch.extras.get("values"),
-        eps=train.adv_eps if eps is None else eps,
-        gamma=train.algo.discount if gamma is None else gamma,
-        lam=train.algo.lam if lam is None else lam,
-        **estimator,
-    )
-    if returns is not None:
-        batch.extras["returns"] = returns
-    return adv.to(mask.device), metrics
-
-
 # -- 3. the update -------------------------------------------------------------------------------
 def finite_step(optimizer: torch.optim.Optimizer, grad_norm: float, loss: float) -> bool:
     """Step only when the loss and the gradient norm are finite; else drop the gradient.
@@ -357,18 +284,24 @@ class _Tally:
         return out
 
 
+class UpdateOptions(TypedDict, total=False):
+    """:func:`policy_update`'s keyword options."""
+
+    ref_model: torch.nn.Module | None  # the KL reference (with a KL loss)
+    generator: torch.Generator | None  # the mini-batch order's random stream
+    value_model: ValueModel | None  # GAE's critic, trained on the batch's returns
+    reduce_counts: Callable[[StepCounts], StepCounts] | None  # data-parallel: the global counts
+    sync_grads: Callable[[torch.nn.Module], None] | None  # data-parallel: sum the gradients
+    scoring: ScoringOptions | None  # how log-probs are computed (perf.*)
+
+
 def policy_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: TokenBatch,
     advantages: torch.Tensor,
     train: TrainConfig,
-    ref_model: torch.nn.Module | None = None,
-    generator: torch.Generator | None = None,
-    value_model: ValueModel | None = None,
-    reduce_counts: Callable[[StepCounts], StepCounts] | None = None,
-    sync_grads: Callable[[torch.nn.Module], None] | None = None,
-    scoring: ScoringOptions | None = None,
+    **options: Unpack[UpdateOptions],
 ) -> dict[str, float]:
     """One rollout batch -> ``ppo_epochs`` x mini-batches optimizer steps.
 
@@ -381,6 +314,8 @@ def policy_update(
     all-reduce (sum) over ranks, so every rank divides by the same global denominators, and
     ``sync_grads`` that sums the gradients over ranks once per optimizer step, before clipping.
     """
+    ref_model, value_model = options.get("ref_model"), options.get("value_model")
+    scoring = options.get("scoring")
     check_mode(train.loss_agg)
     B = batch.input_ids.shape[0]
     old_mode = resolve_old_logprobs(train, B)
@@ -398,12 +333,20 @@ def policy_update(
     if value_model is not None and "returns" not in batch.extras:
         raise ValueError("a value model needs value targets: call batch_advantages with 'gae'")
     run = _Run(
-        model, optimizer, train, old_mode, ref_model if kl_loss else None, value_model, trains,
-        reduce_counts, sync_grads, scoring,
-    )  # fmt: skip
+        model,
+        optimizer,
+        train,
+        old_mode,
+        ref_model if kl_loss else None,
+        value_model,
+        trains,
+        options.get("reduce_counts"),
+        options.get("sync_grads"),
+        scoring,
+    )
     tally = _Tally()
     model.train()
-    minis = _mini_batch_rows(B, train, generator)
+    minis = _mini_batch_rows(B, train, options.get("generator"))
     for mini_idx in minis:
         _optimizer_step(run, tally, batch, mini_idx, advantages)
     model.eval()
@@ -471,8 +414,7 @@ def _micro_step(
         mb,
         train.sampling.temperature,
         train.sampling.top_p,
-        with_entropy=True,
-        entropy_grad=train.algo.entropy_coef != 0,
+        entropy="grad" if train.algo.entropy_coef != 0 else "metric",
         value_model=run.value_model,
         options=run.scoring,
     )
@@ -484,9 +426,8 @@ def _micro_step(
     else:
         old = mb.rollout_logprobs
     ref_logp = _ref_logprobs(run, mb) if run.ref_model is not None else None
-    loss, metrics = micro_batch_loss(
-        train, mb, weights, counts.tokens, logp, old, adv, ent, ref_logp, values
-    )
+    terms = TokenTerms(logp, old, adv, ent, ref_logp, values)
+    loss, metrics = micro_batch_loss(train, mb, weights, counts.tokens, terms)
     loss.backward()
     tally.objective += float(loss.detach())
     tally.add(metrics)
@@ -534,3 +475,19 @@ def _clip_and_step(run: _Run, tally: _Tally, step_loss: float) -> None:
         own = [p for p in run.value_model.parameters() if p.grad is not None]
         vgn = float(torch.nn.utils.clip_grad_norm_(own, max_norm))
         finite_step(run.value_model.optimizer, vgn, 0.0)
+
+
+def __getattr__(name: str) -> object:
+    """Step 2 moved to :mod:`gyre.trainer.advantages`; its names are kept here one version."""
+    if name not in ("batch_advantages", "advantage_settings"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    from gyre.trainer.advantages import advantage_settings, batch_advantages
+
+    warnings.warn(
+        f"gyre.trainer.update.{name} moved to gyre.trainer.advantages.{name}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return {"batch_advantages": batch_advantages, "advantage_settings": advantage_settings}[name]
