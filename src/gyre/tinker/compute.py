@@ -1,0 +1,191 @@
+"""The work behind the futures: forward/backward, the optimizer step, sampling.
+
+Each function takes a tenant (or a module to sample from) and plain arrays, and returns plain
+arrays; :mod:`gyre.tinker.service` runs them one at a time on its worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from gyre.engines.torch_engine import TorchEngine
+from gyre.rollout.stops import cut_at_stop
+from gyre.tinker.errors import Unsupported, UserError
+from gyre.tinker.losses import get_loss
+from gyre.tinker.tenants import Tenant
+from gyre.tinker.wire import FwdBwdCall, SampledSeq
+from gyre.types import GenerationRequest, SamplingParams
+
+
+def _targets(call: FwdBwdCall, vocab: int) -> list[torch.Tensor]:
+    out = []
+    for i, d in enumerate(call.data):
+        where = f"data[{i}]"
+        if not d.tokens:
+            raise UserError(f"{where}.model_input: empty")
+        if "target_tokens" not in d.inputs:
+            raise UserError(f"{where}.loss_fn_inputs.target_tokens: required")
+        t = torch.from_numpy(np.array(d.inputs["target_tokens"], dtype=np.int64))
+        if t.dim() not in (1, 2) or t.shape[0] != len(d.tokens):
+            raise UserError(
+                f"{where}.loss_fn_inputs.target_tokens: shape {list(t.shape)}, need "
+                f"[{len(d.tokens)}] or [{len(d.tokens)}, K] (one row per input token)"
+            )
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            raise UserError(f"{where}.loss_fn_inputs.target_tokens: ids must be in [0, {vocab})")
+        if max(d.tokens) >= vocab or min(d.tokens) < 0:
+            raise UserError(f"{where}.model_input: token ids must be in [0, {vocab})")
+        out.append(t)
+    return out
+
+
+def forward_backward(
+    tenant: Tenant, call: FwdBwdCall, device: torch.device, pad_id: int
+) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+    """Score every datum's targets, apply ``call.loss_fn`` per datum, and (unless
+    ``forward_only``) add the gradient of the summed loss to the tenant's parameters."""
+    loss_fn = get_loss(call.loss_fn)
+    if not call.data:
+        raise UserError("data: empty")
+    model = tenant.activate()
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    targets = _targets(call, vocab)
+    lengths = [len(d.tokens) for d in call.data]
+    ids = torch.full((len(lengths), max(lengths)), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, d in enumerate(call.data):
+        ids[i, : lengths[i]] = torch.tensor(d.tokens)
+        attn[i, : lengths[i]] = 1
+    with torch.set_grad_enabled(not call.forward_only):
+        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits  # (B, T, V)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        total = logp.new_zeros(())
+        outputs = []
+        for i, d in enumerate(call.data):
+            tgt = targets[i].to(device)
+            lp = logp[i, : lengths[i]].gather(-1, tgt.view(lengths[i], -1)).view(tgt.shape)
+            inputs = {
+                k: torch.tensor(np.asarray(v, dtype=np.float32), device=device)
+                for k, v in d.inputs.items()
+                if k != "target_tokens"
+            }
+            try:
+                loss, per_token = loss_fn(lp, inputs, call.loss_fn_config)
+            except UserError as exc:
+                raise type(exc)(f"data[{i}].{exc.message}") from None
+            total = total + loss
+            outputs.append(
+                {
+                    "logprobs": lp.detach().cpu().numpy(),
+                    "elementwise_loss": per_token.detach().cpu().numpy(),
+                }
+            )
+        if not torch.isfinite(total):
+            raise UserError(f"loss is {total.item()} (non-finite); check loss_fn_inputs")
+        if not call.forward_only:
+            total.backward()
+    return outputs, {"loss:sum": float(total.item())}
+
+
+def optim_step(tenant: Tenant, adam: dict[str, float]) -> dict[str, float]:
+    """One AdamW step (decoupled weight decay) with this call's hyperparameters."""
+    lr, wd = float(adam["learning_rate"]), float(adam["weight_decay"])
+    betas, eps = (float(adam["beta1"]), float(adam["beta2"])), float(adam["eps"])
+    if tenant.optimizer is None:
+        tenant.optimizer = torch.optim.AdamW(
+            tenant.params, lr=lr, betas=betas, eps=eps, weight_decay=wd
+        )
+    for group in tenant.optimizer.param_groups:
+        group.update(lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    grads = [p for p in tenant.params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in grads]) if grads else torch.zeros(())
+    clip = float(adam.get("grad_clip_norm", 0.0))
+    if clip > 0 and grads:
+        torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)
+    tenant.optimizer.step()
+    tenant.optimizer.zero_grad(set_to_none=True)
+    tenant.steps += 1
+    return {"grad_norm:mean": float(norm)}
+
+
+def _stops(stop: Any, eos: int | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """SamplingParams.stop: None -> EOS, [] -> nothing, ints -> tokens, strings -> texts."""
+    if stop is None:
+        return ((eos,) if eos is not None else ()), ()
+    if isinstance(stop, str):
+        return (), (stop,)
+    stop = list(stop)
+    if all(isinstance(s, int) for s in stop):
+        return tuple(stop), ()
+    if all(isinstance(s, str) for s in stop):
+        return (), tuple(stop)
+    raise UserError("sampling_params.stop: a string, a list of strings or a list of token ids")
+
+
+def sample(
+    module: torch.nn.Module,
+    context: contextlib.AbstractContextManager,
+    tokenizer: Any,
+    request: dict[str, Any],
+    seed: int,
+    max_context: int,
+) -> tuple[list[SampledSeq], np.ndarray | None]:
+    """``num_samples`` completions of the prompt with gyre's engine, and the prompt logprobs
+    (NaN at position 0) when asked."""
+    prompt, params = request["prompt_ids"], request["sampling_params"]
+    if params.get("top_k", -1) not in (-1, 0, None):
+        raise Unsupported("sampling_params.top_k: only -1 (no top-k) is supported")
+    for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if request.get(key):
+            raise Unsupported(f"{key}: not supported by this server")
+    if request.get("target_prompt_logprobs") is not None:
+        raise Unsupported("target_prompt_logprobs: not supported by this server")
+    vocab = int(module.get_output_embeddings().weight.shape[0])
+    if max(prompt) >= vocab:
+        raise UserError(f"prompt: token ids must be in [0, {vocab})")
+    room = max_context - len(prompt)
+    max_tokens = params.get("max_tokens")
+    max_tokens = min(128, room) if max_tokens is None else int(max_tokens)
+    if max_tokens < 1 or max_tokens > room:
+        raise UserError(
+            f"sampling_params.max_tokens: {max_tokens} with a {len(prompt)}-token prompt "
+            f"exceeds max_context {max_context}"
+        )
+    stop_ids, stop_texts = _stops(params.get("stop"), tokenizer.eos_token_id)
+    sp = SamplingParams(
+        temperature=float(params.get("temperature", 1.0)),
+        top_p=float(params.get("top_p", 1.0)),
+        max_new_tokens=max_tokens,
+        stop_token_ids=stop_ids,
+    )
+    base_seed = seed if params.get("seed") is None else int(params["seed"])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    with context, torch.no_grad():
+        lean = not hasattr(module, "peft_config")
+        engine = TorchEngine(module, pad, seed=base_seed, lean_forward=lean)
+        reqs = [GenerationRequest(list(prompt), seed=base_seed + i) for i in range(request["n"])]
+        comps = engine.generate(reqs, sp)
+        prompt_lp = _prompt_logprobs(module, prompt) if request.get("prompt_logprobs") else None
+    seqs = []
+    for c in comps:
+        tokens, lps, stopped = list(c.token_ids), list(c.logprobs), c.finish_reason == "stop"
+        cut = cut_at_stop(tokens, stop_texts, lambda t: tokenizer.decode(list(t)))
+        if cut is not None:
+            tokens, lps, stopped = tokens[:cut], lps[:cut], True
+        seqs.append(SampledSeq(tokens, lps, stopped))
+    return seqs, prompt_lp
+
+
+def _prompt_logprobs(module: torch.nn.Module, prompt: list[int]) -> np.ndarray:
+    device = next(module.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    logp = torch.log_softmax(module(input_ids=ids).logits.float()[0], dim=-1)  # (P, V)
+    out = np.full(len(prompt), np.nan, dtype=np.float32)
+    if len(prompt) > 1:
+        got = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        out[1:] = got.cpu().numpy()
+    return out
