@@ -23,7 +23,9 @@ class TinkerServeConfig(BaseModel):
     )
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
     seed: int = Field(0, description="seed of the tiny model and of unseeded sampling")
-    lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha of every adapter (scale alpha/rank)")
+    lora_alpha: float = Field(
+        32.0, gt=0, description="LoRA alpha of every adapter (scale alpha/rank)"
+    )
     max_context: int = Field(
         4096, ge=8, description="longest prompt + completion (tokens) a request may ask for"
     )

@@ -68,9 +68,7 @@ class FutureQueue:
 
     def _evict(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
-        stale = [
-            k for k, p in self._pending.items() if p.result and p.result.done_at < cutoff
-        ]
+        stale = [k for k, p in self._pending.items() if p.result and p.result.done_at < cutoff]
         for k in stale:
             del self._pending[k]
 

@@ -7,16 +7,14 @@ tokens (the SDK's convention: no mean, so gradients of several chunks or calls a
 and the per-token ``elementwise_loss`` reported back. ``q`` below is the sampler's ``logprobs``
 input, ``A`` the ``advantages`` input, ``rho = exp(lp - q)``.
 
-=================== ================================================================ ======
-loss_fn             per-token loss (summed)                                          gyre
-=================== ================================================================ ======
-cross_entropy       ``-w * lp`` (``weights`` w, default 1; 2-D targets: summed over K) --
-importance_sampling ``-rho * A``                                                     ppo_clip, no clip
-ppo                 ``-min(rho A, clip(rho, lo, hi) A)``                              ppo_clip
-cispo               ``-sg(clip(rho, lo, hi)) * A * lp``                               cispo
-gspo                ``-min(s A, clip(s, lo, hi) A)``, s the sequence ratio (GSPO-token) gspo
-dro                 ``-(lp A) + beta * (lp - q)^2 / 2``                               k2 KL
-=================== ================================================================ ======
+- ``cross_entropy``: ``-w * lp`` (``weights`` w, default 1; 2-D targets: summed over K).
+- ``importance_sampling``: ``-rho * A`` (gyre's ``ppo_clip`` with no clip).
+- ``ppo``: ``-min(rho A, clip(rho, lo, hi) A)`` (gyre's ``ppo_clip``).
+- ``cispo``: ``-sg(clip(rho, lo, hi)) * A * lp`` (gyre's ``cispo``: same gradient; the value
+  reported is Tinker's, with the ``lp`` factor).
+- ``gspo``: ``-min(s A, clip(s, lo, hi) A)``, s the sequence ratio in GSPO-token form (gyre's
+  ``gspo``).
+- ``dro``: ``-(lp A) + beta * (lp - q)^2 / 2`` (gyre's k2 KL estimator as the penalty).
 
 ``loss_fn_config``: ``clip_low_threshold`` / ``clip_high_threshold`` (ratio bounds lo, hi;
 ppo and cispo default 0.8 / 1.2, gspo 1 - 3e-4 / 1 + 4e-4 as in the GSPO paper) and ``beta``
@@ -100,10 +98,12 @@ def ppo(lp: torch.Tensor, inputs: Inputs, config: dict):
 def cispo(lp: torch.Tensor, inputs: Inputs, config: dict):
     q, adv = _need(inputs, "logprobs", lp.shape), _need(inputs, "advantages", lp.shape)
     # gyre's cispo term has the value -w A and the gradient -w A grad(lp); Tinker reports the
-    # value -w A lp. Multiplying by sg(lp) changes only the value (the gradient of the score
-    # form exp(lp - sg lp) at lp is 1, times sg(lp) gives lp's coefficient; see the test).
-    term, _ = cispo_loss(lp[None], q[None], adv[None], torch.ones_like(lp[None]), _bounds(config, 0.8, 1.2))
-    per_token = _weighted(term[0] * lp.detach(), inputs)
+    # value -w A lp. Only the value is moved (a detached offset), the gradient stays gyre's.
+    term, _ = cispo_loss(
+        lp[None], q[None], adv[None], torch.ones_like(lp[None]), _bounds(config, 0.8, 1.2)
+    )
+    value_fix = term[0].detach() * lp.detach() - term[0].detach()
+    per_token = _weighted(term[0] + value_fix, inputs)
     return per_token.sum(), per_token
 
 

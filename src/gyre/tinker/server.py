@@ -8,7 +8,6 @@ Point the SDK at it with ``TINKER_BASE_URL=http://127.0.0.1:8000`` (or
 non-loopback ``--host``). Routes, futures and what is not supported: docs/tinker.md.
 """
 
-
 import argparse
 import asyncio
 import hmac
@@ -251,13 +250,17 @@ def main(argv: list[str]) -> int:
         import tinker  # noqa: F401
         import uvicorn
     except ImportError as exc:
-        raise ImportError(f"gyre tinker-serve needs its extra: pip install 'gyre[tinker]' ({exc})") from exc
+        raise ImportError(
+            f"gyre tinker-serve needs its extra: pip install 'gyre[tinker]' ({exc})"
+        ) from exc
     key = ""
     if ns.api_key_file:
         try:
             key = Path(ns.api_key_file).read_text().strip()
         except OSError as exc:
-            raise ValueError(f"--api-key-file '{ns.api_key_file}' cannot be read: {exc.strerror}") from exc
+            raise ValueError(
+                f"--api-key-file '{ns.api_key_file}' cannot be read: {exc.strerror}"
+            ) from exc
         if not key:
             raise ValueError(f"--api-key-file '{ns.api_key_file}' is empty")
     if not key and not _is_loopback(ns.host):

@@ -97,7 +97,9 @@ class TinkerService:
 
     def _check_base(self, name: str, key: str = "base_model") -> None:
         if name not in self.names():
-            raise UserError(f"{key}: {name!r} is not served here; this server serves {self.host.name!r}")
+            raise UserError(
+                f"{key}: {name!r} is not served here; this server serves {self.host.name!r}"
+            )
 
     def capabilities(self) -> dict[str, Any]:
         model = {
@@ -117,7 +119,11 @@ class TinkerService:
         if opt != "adamw":
             raise UserError(f"optimizer_config.type: only 'adamw' is supported, got {opt!r}")
         lora = body.get("lora_config")
-        spec = None if lora is None else LoraSpec(**{k: v for k, v in lora.items() if k in LoraSpec.__dataclass_fields__})
+        spec = (
+            None
+            if lora is None
+            else LoraSpec(**{k: v for k, v in lora.items() if k in LoraSpec.__dataclass_fields__})
+        )
         model_id = f"{sid}:train:{seq}"
         if model_id in self.tenants:
             raise UserError(f"model_seq_id: model {model_id} exists")
@@ -196,9 +202,7 @@ class TinkerService:
                 return {"type": "save_weights", "path": uri}
             out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": uri}
             if auto:  # save_weights_and_get_sampling_client: a sampling session on it
-                out["sampling_session_id"] = self._new_sampler(
-                    tenant.session_id, sampling_seq, uri
-                )
+                out["sampling_session_id"] = self._new_sampler(tenant.session_id, sampling_seq, uri)
             return out
 
         return self.futures.submit(run)
@@ -223,7 +227,9 @@ class TinkerService:
             spec = None if meta["lora"] is None else LoraSpec(**meta["lora"])
             if tenant is None:
                 tenant = self._new_tenant(model_id, model_id.split(":")[0], spec, {})
-            elif (tenant.lora is None) != (spec is None) or (spec and spec.rank != tenant.lora.rank):
+            elif (tenant.lora is None) != (spec is None) or (
+                spec and spec.rank != tenant.lora.rank
+            ):
                 raise UserError(f"path: {uri} does not fit model {model_id} (LoRA settings differ)")
             tenant.load_trainable_state(weights)
             tenant.optimizer, tenant.steps = None, int(meta["steps"])

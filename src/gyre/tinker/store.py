@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 import urllib.parse
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,7 @@ class StateStore:
             raise UserError(f"{field}: checkpoint {uri} is damaged: {'; '.join(problems[:3])}")
         return model_id, kind, folder
 
-    def save(
-        self, tenant: Tenant, kind: str, name: str, overwrite: bool, alpha: float
-    ) -> str:
+    def save(self, tenant: Tenant, kind: str, name: str, overwrite: bool, alpha: float) -> str:
         final = self.run_dir(tenant.model_id) / kind / _check_name(name)
         if final.exists() and not overwrite and kind == "weights":
             raise UserError(f"path: checkpoint {name!r} exists (pass overwrite=True to replace)")
@@ -124,7 +122,7 @@ class StateStore:
                     {
                         "checkpoint_id": f"{kind}/{folder.name}",
                         "checkpoint_type": ctype,
-                        "time": datetime.fromtimestamp(stamp, timezone.utc).isoformat(),
+                        "time": datetime.fromtimestamp(stamp, UTC).isoformat(),
                         "tinker_path": self.uri(model_id, kind, folder.name),
                         "size_bytes": size,
                     }

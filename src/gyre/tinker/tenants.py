@@ -37,12 +37,11 @@ class LoraSpec:
     def targets(self, model: torch.nn.Module) -> list[str]:
         wanted = (ATTN if self.train_attn else ()) + (MLP if self.train_mlp else ())
         wanted += UNEMBED if self.train_unembed else ()
-        present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        # Any module name (once an adapter is injected, q_proj is a peft layer around a Linear).
+        present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         found = sorted(set(wanted) & present)
         if not found:
-            raise UserError(
-                f"lora_config: none of {list(wanted)} is a linear layer of this model"
-            )
+            raise UserError(f"lora_config: none of {list(wanted)} is a linear layer of this model")
         return found
 
 
@@ -101,12 +100,16 @@ def adapter_name(model_id: str) -> str:
 class BaseModelHost:
     """The base model, the peft wrapper its LoRA tenants share, and the tokenizer."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, path: str, alpha: float) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any, name: str, path: str, alpha: float
+    ) -> None:
         self.base, self.tokenizer, self.name, self.path = model, tokenizer, name, path
         self.alpha = alpha
         self.peft_model: Any = None  # created with the first LoRA tenant
 
-    def add_lora(self, model_id: str, spec: LoraSpec) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    def add_lora(
+        self, model_id: str, spec: LoraSpec
+    ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
         import peft
 
         if spec.rank < 1:

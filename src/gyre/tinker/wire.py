@@ -108,9 +108,7 @@ def decode_forward_backward(body: bytes, content_encoding: str = "") -> FwdBwdCa
             for name, t in d.loss_fn_inputs.items()
         }
         data.append(WireDatum(tokens, inputs))
-    return FwdBwdCall(
-        msg.model_id, msg.seq_id, msg.loss_fn, config, bool(msg.forward_only), data
-    )
+    return FwdBwdCall(msg.model_id, msg.seq_id, msg.loss_fn, config, bool(msg.forward_only), data)
 
 
 def encode_forward_backward_output(
