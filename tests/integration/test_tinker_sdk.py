@@ -149,6 +149,11 @@ def test_save_load_state_resumes_bit_exactly(client):
     # weights only (no optimizer state): a different continuation
     c = client.create_training_client_from_state(path).result()
     assert _steps(c, data, 2) != tail_a
+    rest = client.create_rest_client()
+    assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 4
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    after = rest.list_checkpoints(a.model_id).result().checkpoints
+    assert path not in [ck.tinker_path for ck in after]
 
 
 def test_two_tenants_train_at_once_isolated(client):
@@ -304,3 +309,39 @@ def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.mark.slow  # SmolLM2-135M-Instruct on the CPU: a few minutes
+def test_smollm2_sl_and_sampling(tmp_path):
+    """The real pretrained model: LoRA SL on chat examples lowers the loss; sampling works."""
+    real_model = pytest.importorskip("real_model")
+    local = start_in_process(tmp_path / "state", model_path=str(real_model.smollm2_dir()))
+    try:
+        sc = tinker.ServiceClient(base_url=local.url, api_key=KEY)
+        tc = sc.create_lora_training_client(base_model=_base(sc), rank=8, seed=0).result()
+        tok = tc.get_tokenizer()
+        pairs = [("What is 2+2?", "4"), ("Capital of France?", "Paris"), ("Say hi.", "hi")]
+        data = []
+        for q, a in pairs:
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            )
+            prompt = tok.encode(text, add_special_tokens=False)
+            full = prompt + tok.encode(a + "<|im_end|>", add_special_tokens=False)
+            w = [0.0] * (len(prompt) - 1) + [1.0] * (len(full) - len(prompt))
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={"target_tokens": full[1:], "weights": w},
+                )
+            )
+        losses = _steps(tc, data, 6, lr=1e-3)
+        assert losses[-1] < 0.5 * losses[0], losses
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        res = sampler.sample(
+            data[0].model_input, num_samples=2, sampling_params=types.SamplingParams(max_tokens=8)
+        ).result()
+        assert all(0 < len(s.tokens) <= 8 for s in res.sequences)
+        sc.close("success").result()
+    finally:
+        local.stop()

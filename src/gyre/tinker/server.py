@@ -199,6 +199,15 @@ def create_app(service: TinkerService, api_key: str = "") -> Any:
     async def checkpoints(model_id: str) -> Any:
         return service.checkpoints(model_id)
 
+    @app.delete(f"{v1}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Any:
+        service.delete_checkpoint(model_id, checkpoint_id)
+        return Response(status_code=204)
+
+    @app.post(f"{v1}/weights_info")
+    async def weights_info(request: Request) -> Any:
+        return service.weights_info(await _body(request))
+
     @app.get(f"{v1}/training_runs/{{model_id}}")
     async def training_run(model_id: str) -> Any:
         return service.training_run(model_id)

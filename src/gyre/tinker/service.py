@@ -311,6 +311,22 @@ class TinkerService:
         return self._full_samplers[version], contextlib.nullcontext()
 
     # -- REST ---------------------------------------------------------------------------------
+    def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        _, _, folder = self.store.resolve(_field(body, "tinker_path", str), "tinker_path")
+        meta = self.store.read(folder)[0]
+        lora = meta["lora"] or {}
+        return {
+            "base_model": meta["base_model"],
+            "is_lora": meta["lora"] is not None,
+            "lora_rank": lora.get("rank"),
+            "train_unembed": lora.get("train_unembed"),
+            "train_mlp": lora.get("train_mlp"),
+            "train_attn": lora.get("train_attn"),
+        }
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        self.store.delete(self.store.uri(model_id, *checkpoint_id.split("/", 1)))
+
     def checkpoints(self, model_id: str) -> dict[str, Any]:
         return {"checkpoints": self.store.list(model_id)}
 

@@ -99,6 +99,9 @@ class StateStore:
         replace_dir_atomically(stage, final)
         return self.uri(tenant.model_id, kind, name)
 
+    def delete(self, uri: str) -> None:
+        shutil.rmtree(self.resolve(uri, "checkpoint_id")[2])
+
     @staticmethod
     def read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
         """(meta, trainable tensors, optimizer state or None) of a verified folder."""
