@@ -233,9 +233,9 @@ def test_bad_requests_name_the_field_and_the_server_survives(served, client):
         headers=h,
         json={
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
-            "sampling_params": {"max_tokens": 64},
+            "sampling_params": {"max_tokens": 16},
             "base_model": base,
-            "num_samples": 4,
+            "num_samples": 2,
         },
     ).json()["request_id"]
     with pytest.raises(httpx.TimeoutException):

@@ -7,6 +7,7 @@ arrays; :mod:`gyre.tinker.service` runs them one at a time on its worker thread.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -126,16 +127,23 @@ def _stops(stop: Any, eos: int | None) -> tuple[tuple[int, ...], tuple[str, ...]
     raise UserError("sampling_params.stop: a string, a list of strings or a list of token ids")
 
 
-def sample(
-    module: torch.nn.Module,
-    context: contextlib.AbstractContextManager,
-    tokenizer: Any,
-    request: dict[str, Any],
-    seed: int,
-    max_context: int,
-) -> tuple[list[SampledSeq], np.ndarray | None]:
-    """``num_samples`` completions of the prompt with gyre's engine, and the prompt logprobs
-    (NaN at position 0) when asked."""
+@dataclass(frozen=True)
+class SampleJob:
+    """One validated ``asample`` request. Jobs with equal ``params`` (and the same weights)
+    run as one engine batch."""
+
+    prompt: tuple[int, ...]
+    n: int
+    seed: int
+    prompt_logprobs: bool
+    params: SamplingParams
+    stop_texts: tuple[str, ...]
+
+
+def check_sample(
+    request: dict[str, Any], tokenizer: Any, vocab: int, seed: int, max_context: int
+) -> SampleJob:
+    """Validate an ``asample`` body before it is queued; errors name the field."""
     prompt, params = request["prompt_ids"], request["sampling_params"]
     if params.get("top_k", -1) not in (-1, 0, None):
         raise Unsupported("sampling_params.top_k: only -1 (no top-k) is supported")
@@ -144,7 +152,6 @@ def sample(
             raise Unsupported(f"{key}: not supported by this server")
     if request.get("target_prompt_logprobs") is not None:
         raise Unsupported("target_prompt_logprobs: not supported by this server")
-    vocab = int(module.get_output_embeddings().weight.shape[0])
     if max(prompt) >= vocab:
         raise UserError(f"prompt: token ids must be in [0, {vocab})")
     room = max_context - len(prompt)
@@ -155,32 +162,54 @@ def sample(
             f"sampling_params.max_tokens: {max_tokens} with a {len(prompt)}-token prompt "
             f"exceeds max_context {max_context}"
         )
+    temperature, top_p = float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0))
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise UserError("sampling_params: need temperature >= 0 and 0 < top_p <= 1")
     stop_ids, stop_texts = _stops(params.get("stop"), tokenizer.eos_token_id)
     sp = SamplingParams(
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        max_new_tokens=max_tokens,
-        stop_token_ids=stop_ids,
+        temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, stop_token_ids=stop_ids
     )
-    base_seed = seed if params.get("seed") is None else int(params["seed"])
+    seed = seed if params.get("seed") is None else int(params["seed"])
+    return SampleJob(
+        tuple(prompt), request["n"], seed, bool(request.get("prompt_logprobs")), sp, stop_texts
+    )
+
+
+def sample_batch(
+    module: torch.nn.Module,
+    context: contextlib.AbstractContextManager,
+    tokenizer: Any,
+    jobs: list[SampleJob],
+) -> list[tuple[list[SampledSeq], np.ndarray | None]]:
+    """Every job's ``n`` completions in one batch of gyre's engine (the jobs share
+    ``params``), and each job's prompt logprobs (NaN at position 0) when asked. Sample i of a
+    job draws from the stream keyed by (job seed + i), whatever else shares the batch."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with context, torch.no_grad():
         lean = not hasattr(module, "peft_config")
-        engine = TorchEngine(module, pad, seed=base_seed, lean_forward=lean)
-        reqs = [GenerationRequest(list(prompt), seed=base_seed + i) for i in range(request["n"])]
-        comps = engine.generate(reqs, sp)
-        prompt_lp = _prompt_logprobs(module, prompt) if request.get("prompt_logprobs") else None
-    seqs = []
-    for c in comps:
-        tokens, lps, stopped = list(c.token_ids), list(c.logprobs), c.finish_reason == "stop"
-        cut = cut_at_stop(tokens, stop_texts, lambda t: tokenizer.decode(list(t)))
-        if cut is not None:
-            tokens, lps, stopped = tokens[:cut], lps[:cut], True
-        seqs.append(SampledSeq(tokens, lps, stopped))
-    return seqs, prompt_lp
+        engine = TorchEngine(module, pad, seed=jobs[0].seed, lean_forward=lean)
+        reqs = [
+            GenerationRequest(list(j.prompt), seed=j.seed + i) for j in jobs for i in range(j.n)
+        ]
+        comps = iter(engine.generate(reqs, jobs[0].params))
+        prompt_lps = [
+            _prompt_logprobs(module, j.prompt) if j.prompt_logprobs else None for j in jobs
+        ]
+    out = []
+    for job, prompt_lp in zip(jobs, prompt_lps, strict=True):
+        seqs = []
+        for _ in range(job.n):
+            c = next(comps)
+            tokens, lps, stopped = list(c.token_ids), list(c.logprobs), c.finish_reason == "stop"
+            cut = cut_at_stop(tokens, job.stop_texts, lambda t: tokenizer.decode(list(t)))
+            if cut is not None:
+                tokens, lps, stopped = tokens[:cut], lps[:cut], True
+            seqs.append(SampledSeq(tokens, lps, stopped))
+        out.append((seqs, prompt_lp))
+    return out
 
 
-def _prompt_logprobs(module: torch.nn.Module, prompt: list[int]) -> np.ndarray:
+def _prompt_logprobs(module: torch.nn.Module, prompt: tuple[int, ...]) -> np.ndarray:
     device = next(module.parameters()).device
     ids = torch.tensor([prompt], device=device)
     logp = torch.log_softmax(module(input_ids=ids).logits.float()[0], dim=-1)  # (P, V)

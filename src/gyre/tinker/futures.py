@@ -2,20 +2,23 @@
 
 One worker thread runs the queue in arrival order. The SDK sends a training client's requests
 one after another (each waits for the previous one's submission), so arrival order is its
-``seq_id`` order, and work on one model always runs in the order the client issued it. A
-result waits for ``retrieve_future`` until ``result_ttl_s`` after it finished; a client that
-disappears mid-future costs nothing but that memory until then.
+``seq_id`` order, and work on one model always runs in the order the client issued it.
+Batchable jobs (samples from the same frozen weights with the same sampling parameters) that
+stand next to each other at the head of the queue run as one batch: they read no state that
+other jobs change, so this reorders nothing observable. A result waits for
+``retrieve_future`` until ``result_ttl_s`` after it finished; a client that disappears
+mid-future costs nothing but that memory until then.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,21 +42,39 @@ class Pending:
     result: Result | None = None
 
 
+@dataclass
+class Job:
+    request_id: str
+    fn: Callable[[list[Any]], list[dict[str, Any] | bytes]]
+    item: Any = None
+    key: Hashable | None = None  # jobs with equal keys may run as one batch
+
+
 class FutureQueue:
-    def __init__(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self._jobs: queue.Queue[tuple[str, Callable[[], Any]] | None] = queue.Queue()
+    def __init__(self, ttl_s: float, max_batch: int = 64) -> None:
+        self.ttl_s, self.max_batch = ttl_s, max_batch
+        self._jobs: deque[Job] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
         self._pending: dict[str, Pending] = {}
         self._lock = threading.Lock()
         self._worker = threading.Thread(target=self._run, name="tinker-worker", daemon=True)
         self._worker.start()
 
     def submit(self, fn: Callable[[], dict[str, Any] | bytes]) -> str:
+        return self.submit_batchable(None, None, lambda items: [fn()])
+
+    def submit_batchable(
+        self, key: Hashable | None, item: Any, fn: Callable[[list[Any]], list[Any]]
+    ) -> str:
+        """Queue ``fn([item, ...])``; with a ``key``, neighbours of the same key join one call."""
         request_id = uuid.uuid4().hex
         with self._lock:
             self._evict()
             self._pending[request_id] = Pending()
-        self._jobs.put((request_id, fn))
+        with self._ready:
+            self._jobs.append(Job(request_id, fn, item, key))
+            self._ready.notify()
         return request_id
 
     def wait(self, request_id: str, timeout: float) -> Result | None:
@@ -64,7 +85,9 @@ class FutureQueue:
         return pending.result
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
 
     def _evict(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
@@ -72,19 +95,39 @@ class FutureQueue:
         for k in stale:
             del self._pending[k]
 
+    def _next(self) -> list[Job] | None:
+        with self._ready:
+            while not self._jobs and not self._closed:
+                self._ready.wait()
+            if self._closed:
+                return None
+            batch = [self._jobs.popleft()]
+            key = batch[0].key
+            while (
+                key is not None
+                and self._jobs
+                and self._jobs[0].key == key
+                and len(batch) < self.max_batch
+            ):
+                batch.append(self._jobs.popleft())
+            return batch
+
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            request_id, fn = job
+        while (batch := self._next()) is not None:
             try:
-                result = Result(payload=fn())
+                payloads = batch[0].fn([job.item for job in batch])
+                results = [Result(payload=p) for p in payloads]
             except TinkerError as exc:
-                result = Result(error=(exc.message, exc.category))
+                results = [Result(error=(exc.message, exc.category)) for _ in batch]
             except Exception as exc:  # the server must outlive any one bad request
-                log.error("request %s failed:\n%s", request_id, traceback.format_exc())
-                result = Result(error=(f"internal error: {type(exc).__name__}: {exc}", "server"))
-            result.done_at = time.monotonic()
-            with self._lock:
-                pending = self._pending.get(request_id)
-            if pending is not None:
-                pending.result = result
-                pending.done.set()
+                log.error("request %s failed:\n%s", batch[0].request_id, traceback.format_exc())
+                msg = f"internal error: {type(exc).__name__}: {exc}"
+                results = [Result(error=(msg, "server")) for _ in batch]
+            now = time.monotonic()
+            for job, result in zip(batch, results, strict=True):
+                result.done_at = now
+                with self._lock:
+                    pending = self._pending.get(job.request_id)
+                if pending is not None:
+                    pending.result = result
+                    pending.done.set()

@@ -284,15 +284,16 @@ class TinkerService:
         request = {**body, "prompt_ids": prompt, "n": n}
         request["sampling_params"] = body.get("sampling_params") or {}
         seed = self.cfg.seed * 1_000_003 + next(self._seeds) * 1009
+        vocab = int(self.host.base.get_output_embeddings().weight.shape[0])
+        job = compute.check_sample(request, self.host.tokenizer, vocab, seed, self.cfg.max_context)
 
-        def run() -> bytes:
+        def run(jobs: list[compute.SampleJob]) -> list[bytes]:
             module, context = self._sampling_module(folder)
-            seqs, prompt_lp = compute.sample(
-                module, context, self.host.tokenizer, request, seed, self.cfg.max_context
-            )
-            return encode_sample_response(seqs, prompt_lp)
+            done = compute.sample_batch(module, context, self.host.tokenizer, jobs)
+            return [encode_sample_response(seqs, lp) for seqs, lp in done]
 
-        rid = self.futures.submit(run)
+        key = ("sample", str(folder), job.params, job.stop_texts)
+        rid = self.futures.submit_batchable(key, job, run)
         return rid, [f"{rid}:{i}" for i in range(n)]
 
     def _sampling_module(self, folder: Path | None) -> tuple[torch.nn.Module, Any]:
