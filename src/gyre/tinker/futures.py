@@ -48,6 +48,7 @@ class Job:
     fn: Callable[[list[Any]], list[dict[str, Any] | bytes]]
     item: Any = None
     key: Hashable | None = None  # jobs with equal keys may run as one batch
+    name: str = "job"  # for the log
 
 
 class FutureQueue:
@@ -61,11 +62,15 @@ class FutureQueue:
         self._worker = threading.Thread(target=self._run, name="tinker-worker", daemon=True)
         self._worker.start()
 
-    def submit(self, fn: Callable[[], dict[str, Any] | bytes]) -> str:
-        return self.submit_batchable(None, None, lambda items: [fn()])
+    def submit(self, fn: Callable[[], dict[str, Any] | bytes], name: str = "job") -> str:
+        return self.submit_batchable(None, None, lambda items: [fn()], name)
 
     def submit_batchable(
-        self, key: Hashable | None, item: Any, fn: Callable[[list[Any]], list[Any]]
+        self,
+        key: Hashable | None,
+        item: Any,
+        fn: Callable[[list[Any]], list[Any]],
+        name: str = "job",
     ) -> str:
         """Queue ``fn([item, ...])``; with a ``key``, neighbours of the same key join one call."""
         request_id = uuid.uuid4().hex
@@ -73,7 +78,7 @@ class FutureQueue:
             self._evict()
             self._pending[request_id] = Pending()
         with self._ready:
-            self._jobs.append(Job(request_id, fn, item, key))
+            self._jobs.append(Job(request_id, fn, item, key, name))
             self._ready.notify()
         return request_id
 
@@ -114,6 +119,7 @@ class FutureQueue:
 
     def _run(self) -> None:
         while (batch := self._next()) is not None:
+            start = time.perf_counter()
             try:
                 payloads = batch[0].fn([job.item for job in batch])
                 results = [Result(payload=p) for p in payloads]
@@ -124,6 +130,8 @@ class FutureQueue:
                 msg = f"internal error: {type(exc).__name__}: {exc}"
                 results = [Result(error=(msg, "server")) for _ in batch]
             now = time.monotonic()
+            took = time.perf_counter() - start
+            log.info("%s: %d request(s) in %.2fs", batch[0].name, len(batch), took)
             for job, result in zip(batch, results, strict=True):
                 result.done_at = now
                 with self._lock:

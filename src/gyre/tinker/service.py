@@ -67,7 +67,7 @@ class TinkerService:
     def finish_session(self, session_id: str) -> None:
         with self._lock:
             self.sessions.pop(session_id, None)
-        self.futures.submit(lambda: self._drop_session(session_id) or {})
+        self.futures.submit(lambda: self._drop_session(session_id) or {}, "finish_session")
 
     def _drop_session(self, session_id: str) -> None:
         for mid in [m for m, t in self.tenants.items() if t.session_id == session_id]:
@@ -133,7 +133,7 @@ class TinkerService:
             self._new_tenant(model_id, sid, spec, body.get("user_metadata") or {})
             return {"type": "create_model", "model_id": model_id}
 
-        return self.futures.submit(run)
+        return self.futures.submit(run, "create_model")
 
     def _new_tenant(self, model_id: str, sid: str, spec: LoraSpec | None, meta: dict) -> Tenant:
         if spec is None:
@@ -172,7 +172,8 @@ class TinkerService:
             outputs, metrics = compute.forward_backward(tenant, call, self.device, self.pad_id)
             return encode_forward_backward_output(outputs, metrics)
 
-        return self.futures.submit(run)
+        kind = "forward" if call.forward_only else "forward_backward"
+        return self.futures.submit(run, f"{kind} {len(call.data)} datums")
 
     def optim_step(self, body: dict[str, Any]) -> str:
         tenant = self.tenant(body.get("model_id"))
@@ -183,7 +184,9 @@ class TinkerService:
         for k in ADAM_KEYS:
             if not isinstance(adam[k], int | float) or adam[k] < 0:
                 raise UserError(f"adam_params.{k}: must be a number >= 0, got {adam[k]!r}")
-        return self.futures.submit(lambda: {"metrics": compute.optim_step(tenant, adam)})
+        return self.futures.submit(
+            lambda: {"metrics": compute.optim_step(tenant, adam)}, "optim_step"
+        )
 
     # -- weights ------------------------------------------------------------------------------
     def save_weights(self, body: dict[str, Any], kind: str) -> str:
@@ -205,7 +208,7 @@ class TinkerService:
                 out["sampling_session_id"] = self._new_sampler(tenant.session_id, sampling_seq, uri)
             return out
 
-        return self.futures.submit(run)
+        return self.futures.submit(run, f"save {kind}")
 
     def load_weights(self, body: dict[str, Any]) -> str:
         uri = _field(body, "path", str)
@@ -240,7 +243,7 @@ class TinkerService:
                 p.grad = None
             return {"type": "load_weights", "path": uri, "model_id": model_id}
 
-        return self.futures.submit(run)
+        return self.futures.submit(run, "load_weights")
 
     # -- sampling -----------------------------------------------------------------------------
     def _new_sampler(self, sid: str, seq: Any, model_path: str | None) -> str:
@@ -293,7 +296,7 @@ class TinkerService:
             return [encode_sample_response(seqs, lp) for seqs, lp in done]
 
         key = ("sample", str(folder), job.params, job.stop_texts)
-        rid = self.futures.submit_batchable(key, job, run)
+        rid = self.futures.submit_batchable(key, job, run, "sample")
         return rid, [f"{rid}:{i}" for i in range(n)]
 
     def _sampling_module(self, folder: Path | None) -> tuple[torch.nn.Module, Any]:

@@ -105,6 +105,8 @@ class StateStore:
     @staticmethod
     def read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
         """(meta, trainable tensors, optimizer state or None) of a verified folder."""
+        if not (folder / "meta.json").is_file():  # deleted since it was named
+            raise NotFound(f"path: the checkpoint in {folder.name!r} no longer exists")
         meta = json.loads((folder / "meta.json").read_text())
         weights = folder / (ADAPTER_WEIGHTS if meta["lora"] is not None else FULL_WEIGHTS)
         opt = folder / "optimizer.pt"
