@@ -24,6 +24,7 @@ from gyre.tinker.errors import UserError
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
+KEEP_SAMPLERS = 4  # sampler adapters kept loaded; older ones are reloaded from disk if asked
 
 
 @dataclass
@@ -106,6 +107,7 @@ class BaseModelHost:
         self.base, self.tokenizer, self.name, self.path = model, tokenizer, name, path
         self.alpha = alpha
         self.peft_model: Any = None  # created with the first LoRA tenant
+        self._samplers: list[str] = []  # loaded sampler adapters, oldest first
 
     def add_lora(
         self, model_id: str, spec: LoraSpec
@@ -168,6 +170,9 @@ class BaseModelHost:
         import peft
 
         name = f"s_{version}"
+        if name in self._samplers:
+            self._samplers.remove(name)
+        self._samplers.append(name)
         if self.peft_model is None:
             self.peft_model = peft.PeftModel.from_pretrained(
                 self.base, str(folder), adapter_name=name, is_trainable=False
@@ -175,4 +180,6 @@ class BaseModelHost:
         elif name not in self.peft_model.peft_config:
             self.peft_model.load_adapter(str(folder), adapter_name=name, is_trainable=False)
         self.peft_model.set_adapter(name)
+        while len(self._samplers) > KEEP_SAMPLERS:  # an RL loop saves a new one every step
+            self.peft_model.delete_adapter(self._samplers.pop(0))
         return self.peft_model
