@@ -345,3 +345,18 @@ def test_smollm2_sl_and_sampling(tmp_path):
         sc.close("success").result()
     finally:
         local.stop()
+
+
+def test_api_key_is_required_when_configured(served):
+    from fastapi.testclient import TestClient
+
+    from gyre.tinker.server import create_app
+
+    app = TestClient(create_app(served.service, api_key="tml-secret"))
+    caps = "/api/v1/get_server_capabilities"
+    assert app.get("/api/v1/healthz").status_code == 200  # probes need no key
+    r = app.get(caps)
+    assert r.status_code == 401 and "API key" in r.json()["detail"]
+    assert app.get(caps, headers={"X-API-Key": "tml-wrong"}).status_code == 401
+    assert app.get(caps, headers={"X-API-Key": "tml-secret"}).status_code == 200
+    assert app.get(caps, headers={"Authorization": "Bearer tml-secret"}).status_code == 200

@@ -26,6 +26,8 @@ log = logging.getLogger("gyre.tinker")
 # Feature flags the SDK reads from /api/v1/client/config; everything not listed keeps the SDK's
 # default. Chunks of one forward_backward go one after another (so arrival order is seq_id
 # order), custom losses run client-side, and samples are fetched one retrieve_future each.
+V1 = "/api/v1"
+
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "parallel_fwdbwd_chunks": False,
@@ -48,6 +50,11 @@ def _error(status: int, message: str) -> Any:
     return _json(status, {"detail": message, "error": {"message": message, "code": status}})
 
 
+def future(request_id: str, **extra: Any) -> dict[str, Any]:
+    """An ``UntypedAPIFuture``: what every queued request answers at once."""
+    return {"request_id": request_id, **extra}
+
+
 async def _body(request: Any) -> dict[str, Any]:
     import json
 
@@ -62,7 +69,6 @@ async def _body(request: Any) -> dict[str, Any]:
 
 def create_app(service: TinkerService, api_key: str = "") -> Any:
     from fastapi import FastAPI, Request
-    from fastapi.responses import Response
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="gyre tinker-serve")
@@ -91,52 +97,64 @@ def create_app(service: TinkerService, api_key: str = "") -> Any:
         log.exception("internal error in %s", request.url.path)
         return _error(500, f"internal error in {request.url.path}: {type(exc).__name__}: {exc}")
 
-    v1 = "/api/v1"
-    future = lambda rid, **kw: {"request_id": rid, **kw}  # noqa: E731 - an UntypedAPIFuture
+    for add in (_session_routes, _training_routes, _sampling_routes, _rest_routes):
+        add(app, service)
+    return app
 
-    @app.get(f"{v1}/healthz")
+
+def _session_routes(app: Any, service: TinkerService) -> None:
+    """Client start-up, sessions and models."""
+    from fastapi import Request
+    from fastapi.responses import Response
+
+    @app.get(f"{V1}/healthz")
     async def healthz() -> Any:
         return {"status": "ok"}
 
-    @app.post(f"{v1}/client/config")
+    @app.post(f"{V1}/client/config")
     async def client_config() -> Any:
         return CLIENT_CONFIG
 
-    @app.post(f"{v1}/client/dynamic_config")
+    @app.post(f"{V1}/client/dynamic_config")
     async def dynamic_config() -> Any:
         return {"sample_cancel_enabled": False}
 
-    @app.post(f"{v1}/telemetry")
+    @app.post(f"{V1}/telemetry")
     async def telemetry() -> Any:
         return {"status": "accepted"}
 
-    @app.get(f"{v1}/get_server_capabilities")
+    @app.get(f"{V1}/get_server_capabilities")
     async def capabilities() -> Any:
         return service.capabilities()
 
-    @app.post(f"{v1}/create_session")
+    @app.post(f"{V1}/create_session")
     async def create_session(request: Request) -> Any:
         return service.create_session(await _body(request))
 
-    @app.post(f"{v1}/session_heartbeat")
+    @app.post(f"{V1}/session_heartbeat")
     async def heartbeat(request: Request) -> Any:
         service.heartbeat(str((await _body(request)).get("session_id")))
         return {"type": "session_heartbeat"}
 
-    @app.post(f"{v1}/sessions/{{session_id}}/finish")
+    @app.post(f"{V1}/sessions/{{session_id}}/finish")
     async def finish(session_id: str) -> Any:
         service.finish_session(session_id)
         return Response(status_code=204)
 
-    @app.post(f"{v1}/create_model")
+    @app.post(f"{V1}/create_model")
     async def create_model(request: Request) -> Any:
         return future(service.create_model(await _body(request)))
 
-    @app.post(f"{v1}/get_info")
+    @app.post(f"{V1}/get_info")
     async def get_info(request: Request) -> Any:
         return service.get_info(await _body(request))
 
-    @app.post(f"{v1}/forward_backward")
+
+def _training_routes(app: Any, service: TinkerService) -> None:
+    """forward_backward, optim_step and the weights routes (futures)."""
+    from fastapi import Request
+
+    @app.post(f"{V1}/forward_backward")
     async def forward_backward(request: Request) -> Any:
         if PROTO_CONTENT_TYPE not in request.headers.get("content-type", ""):
             raise UserError(f"body: forward_backward takes {PROTO_CONTENT_TYPE} (the SDK's)")
@@ -144,40 +162,46 @@ def create_app(service: TinkerService, api_key: str = "") -> Any:
         call = decode_forward_backward(raw, request.headers.get("content-encoding", ""))
         return future(service.forward_backward(call), model_id=call.model_id)
 
-    @app.post(f"{v1}/optim_step")
+    @app.post(f"{V1}/optim_step")
     async def optim_step(request: Request) -> Any:
         return future(service.optim_step(await _body(request)))
 
-    @app.post(f"{v1}/save_weights")
+    @app.post(f"{V1}/save_weights")
     async def save_weights(request: Request) -> Any:
         return future(service.save_weights(await _body(request), "weights"))
 
-    @app.post(f"{v1}/save_weights_for_sampler")
+    @app.post(f"{V1}/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> Any:
         return future(service.save_weights(await _body(request), "sampler_weights"))
 
-    @app.post(f"{v1}/load_weights")
+    @app.post(f"{V1}/load_weights")
     async def load_weights(request: Request) -> Any:
         return future(service.load_weights(await _body(request)))
 
-    @app.post(f"{v1}/create_sampling_session")
+
+def _sampling_routes(app: Any, service: TinkerService) -> None:
+    """Sampling sessions, asample, and retrieving any future."""
+    from fastapi import Request
+    from fastapi.responses import Response
+
+    @app.post(f"{V1}/create_sampling_session")
     async def create_sampling_session(request: Request) -> Any:
         return service.create_sampling_session(await _body(request))
 
-    @app.get(f"{v1}/samplers/{{sampler_id}}")
+    @app.get(f"{V1}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str) -> Any:
         return service.get_sampler(sampler_id)
 
-    @app.post(f"{v1}/asample")
+    @app.post(f"{V1}/asample")
     async def asample(request: Request) -> Any:
         rid, seq_ids = service.asample(await _body(request))
         return future(rid, sample_sequence_ids=seq_ids)
 
-    @app.post(f"{v1}/cancel_future")
+    @app.post(f"{V1}/cancel_future")
     async def cancel_future() -> Any:
         return Response(status_code=204)  # work is short; a result nobody fetches expires
 
-    @app.post(f"{v1}/retrieve_future")
+    @app.post(f"{V1}/retrieve_future")
     async def retrieve_future(request: Request) -> Any:
         body = await _body(request)
         rid = body.get("request_id")
@@ -195,24 +219,28 @@ def create_app(service: TinkerService, api_key: str = "") -> Any:
             return Response(content=result.payload, media_type=PROTO_CONTENT_TYPE)
         return result.payload
 
-    @app.get(f"{v1}/training_runs/{{model_id}}/checkpoints")
+
+def _rest_routes(app: Any, service: TinkerService) -> None:
+    """The RestClient's checkpoint and training-run routes."""
+    from fastapi import Request
+    from fastapi.responses import Response
+
+    @app.get(f"{V1}/training_runs/{{model_id}}/checkpoints")
     async def checkpoints(model_id: str) -> Any:
         return service.checkpoints(model_id)
 
-    @app.delete(f"{v1}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}")
+    @app.delete(f"{V1}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Any:
         service.delete_checkpoint(model_id, checkpoint_id)
         return Response(status_code=204)
 
-    @app.post(f"{v1}/weights_info")
+    @app.post(f"{V1}/weights_info")
     async def weights_info(request: Request) -> Any:
         return service.weights_info(await _body(request))
 
-    @app.get(f"{v1}/training_runs/{{model_id}}")
+    @app.get(f"{V1}/training_runs/{{model_id}}")
     async def training_run(model_id: str) -> Any:
         return service.training_run(model_id)
-
-    return app
 
 
 def build_service(cfg: TinkerServeConfig) -> TinkerService:

@@ -125,12 +125,13 @@ class TinkerService:
             else LoraSpec(**{k: v for k, v in lora.items() if k in LoraSpec.__dataclass_fields__})
         )
         model_id = f"{sid}:train:{seq}"
-        if model_id in self.tenants:
-            raise UserError(f"model_seq_id: model {model_id} exists")
 
         def run() -> dict[str, Any]:
+            # The SDK retries a create it saw fail in transit: the same (session, seq) is the
+            # same model, created once.
             self._reap()
-            self._new_tenant(model_id, sid, spec, body.get("user_metadata") or {})
+            if model_id not in self.tenants:
+                self._new_tenant(model_id, sid, spec, body.get("user_metadata") or {})
             return {"type": "create_model", "model_id": model_id}
 
         return self.futures.submit(run, "create_model")
