@@ -281,9 +281,14 @@ class Rollout:
                     self.engine, self.make_env, self.tokenizer, n, s.temperature,
                     s.max_new_tokens, sampled=cfg.eval.sampled, seed=cfg.run.seed,
                     top_p=s.top_p, split=split, continuous=cfg.perf.continuous, stops=stops,
-                    chat=self.chat, window=self.window,
+                    chat=self.chat, window=self.window, score=self._score_eval,
                 ))  # fmt: skip
         return out
+
+    def _score_eval(self, trajs: list[Trajectory]) -> None:
+        """Held-out episodes get the run's reward (reward functions), as training's do."""
+        if self.rewarder is not None:
+            self.rewarder.score(trajs, self.tokenizer)
 
     # -- weights ------------------------------------------------------------------------------
     @property
