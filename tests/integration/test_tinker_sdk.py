@@ -21,7 +21,8 @@ KEY = "tml-local-test"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    local = start_in_process(tmp_path_factory.mktemp("tinker-state"))
+    # a small micro-batch budget: the SL datums run as several forward/backward chunks
+    local = start_in_process(tmp_path_factory.mktemp("tinker-state"), train_micro_tokens=16)
     yield local
     local.stop()
 

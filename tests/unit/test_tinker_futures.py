@@ -52,3 +52,11 @@ def test_errors_fail_their_request_and_the_worker_goes_on():
     assert q.wait(r2, 10).error == ("internal error: RuntimeError: boom", "server")
     assert q.wait(r3, 10).payload == {"fine": True}
     q.close()
+
+
+def test_forward_backward_micro_batches_stay_within_the_token_budget():
+    from gyre.tinker.compute import _chunks
+
+    assert _chunks([3, 3, 3, 3], budget=6) == [range(0, 2), range(2, 4)]
+    assert _chunks([2, 10, 2], budget=8) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert _chunks([4, 4, 4], budget=100) == [range(0, 3)]

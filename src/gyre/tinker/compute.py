@@ -44,52 +44,85 @@ def _targets(call: FwdBwdCall, vocab: int) -> list[torch.Tensor]:
     return out
 
 
+def _chunks(lengths: list[int], budget: int) -> list[range]:
+    """Consecutive datum ranges whose padded size (rows x longest) stays within ``budget``
+    tokens (a datum longer than the budget is a chunk of its own)."""
+    out, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start + 1) * max(longest, n) > budget:
+            out.append(range(start, i))
+            start, longest = i, 0
+        longest = max(longest, n)
+    out.append(range(start, len(lengths)))
+    return out
+
+
 def forward_backward(
-    tenant: Tenant, call: FwdBwdCall, device: torch.device, pad_id: int
+    tenant: Tenant, call: FwdBwdCall, device: torch.device, pad_id: int, budget: int
 ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
     """Score every datum's targets, apply ``call.loss_fn`` per datum, and (unless
-    ``forward_only``) add the gradient of the summed loss to the tenant's parameters."""
+    ``forward_only``) add the gradient of the summed loss to the tenant's parameters.
+
+    Datums run in micro-batches of at most ``budget`` padded tokens (the (B, T, V) log-probs of
+    a large vocabulary are the memory peak); gradients add up across them, as the losses are
+    sums. A micro-batch with a non-finite loss fails the request after the earlier ones of the
+    same call have added their gradients."""
     loss_fn = get_loss(call.loss_fn)
     if not call.data:
         raise UserError("data: empty")
     model = tenant.activate()
     vocab = int(model.get_output_embeddings().weight.shape[0])
     targets = _targets(call, vocab)
-    lengths = [len(d.tokens) for d in call.data]
-    ids = torch.full((len(lengths), max(lengths)), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
     for i, d in enumerate(call.data):
-        ids[i, : lengths[i]] = torch.tensor(d.tokens)
-        attn[i, : lengths[i]] = 1
-    with torch.set_grad_enabled(not call.forward_only):
-        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits  # (B, T, V)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        total = logp.new_zeros(())
-        outputs = []
-        for i, d in enumerate(call.data):
-            tgt = targets[i].to(device)
-            lp = logp[i, : lengths[i]].gather(-1, tgt.view(lengths[i], -1)).view(tgt.shape)
-            inputs = {
-                k: torch.tensor(np.asarray(v, dtype=np.float32), device=device)
-                for k, v in d.inputs.items()
-                if k != "target_tokens"
-            }
-            try:
-                loss, per_token = loss_fn(lp, inputs, call.loss_fn_config)
-            except UserError as exc:
-                raise type(exc)(f"data[{i}].{exc.message}") from None
-            total = total + loss
-            outputs.append(
-                {
-                    "logprobs": lp.detach().cpu().numpy(),
-                    "elementwise_loss": per_token.detach().cpu().numpy(),
-                }
-            )
-        if not torch.isfinite(total):
-            raise UserError(f"loss is {total.item()} (non-finite); check loss_fn_inputs")
-        if not call.forward_only:
-            total.backward()
-    return outputs, {"loss:sum": float(total.item())}
+        for k, v in d.inputs.items():
+            if k != "target_tokens" and not np.all(np.isfinite(v)):
+                raise UserError(f"data[{i}].loss_fn_inputs.{k}: holds NaN or inf")
+    lengths = [len(d.tokens) for d in call.data]
+    outputs: list[dict[str, np.ndarray]] = []
+    total = 0.0
+    for rows in _chunks(lengths, budget):
+        ids = torch.full((len(rows), max(lengths[i] for i in rows)), pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for r, i in enumerate(rows):
+            ids[r, : lengths[i]] = torch.tensor(call.data[i].tokens)
+            attn[r, : lengths[i]] = 1
+        with torch.set_grad_enabled(not call.forward_only):
+            logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+            part = logp.new_zeros(())
+            for r, i in enumerate(rows):
+                loss, out = _datum_loss(loss_fn, logp[r, : lengths[i]], targets[i], call, i)
+                part = part + loss
+                outputs.append(out)
+            if not torch.isfinite(part):
+                raise UserError(f"loss is {part.item()} (non-finite); check loss_fn_inputs")
+            if not call.forward_only:
+                part.backward()
+        total += float(part.item())
+    return outputs, {"loss:sum": total}
+
+
+def _datum_loss(
+    loss_fn: Any, logp: torch.Tensor, target: torch.Tensor, call: FwdBwdCall, i: int
+) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    """Datum ``i``'s loss from its (T, V) log-probs, and its outputs for the response."""
+    n = logp.shape[0]
+    target = target.to(logp.device)
+    lp = logp.gather(-1, target.view(n, -1)).view(target.shape)
+    inputs = {
+        k: torch.tensor(np.asarray(v, dtype=np.float32), device=logp.device)
+        for k, v in call.data[i].inputs.items()
+        if k != "target_tokens"
+    }
+    try:
+        loss, per_token = loss_fn(lp, inputs, call.loss_fn_config)
+    except UserError as exc:
+        raise type(exc)(f"data[{i}].{exc.message}") from None
+    out = {
+        "logprobs": lp.detach().cpu().numpy(),
+        "elementwise_loss": per_token.detach().cpu().numpy(),
+    }
+    return loss, out
 
 
 def optim_step(tenant: Tenant, adam: dict[str, float]) -> dict[str, float]:
@@ -180,14 +213,18 @@ def sample_batch(
     context: contextlib.AbstractContextManager,
     tokenizer: Any,
     jobs: list[SampleJob],
+    max_rows: int,
 ) -> list[tuple[list[SampledSeq], np.ndarray | None]]:
     """Every job's ``n`` completions in one batch of gyre's engine (the jobs share
     ``params``), and each job's prompt logprobs (NaN at position 0) when asked. Sample i of a
-    job draws from the stream keyed by (job seed + i), whatever else shares the batch."""
+    job draws from the stream keyed by (job seed + i), whatever else shares the batch; at most
+    ``max_rows`` sequences decode at once (continuous batching admits the rest as rows finish)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with context, torch.no_grad():
         lean = not hasattr(module, "peft_config")
-        engine = TorchEngine(module, pad, seed=jobs[0].seed, lean_forward=lean)
+        engine = TorchEngine(
+            module, pad, seed=jobs[0].seed, max_batch_size=max_rows, lean_forward=lean
+        )
         reqs = [
             GenerationRequest(list(j.prompt), seed=j.seed + i) for j in jobs for i in range(j.n)
         ]

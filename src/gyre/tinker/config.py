@@ -29,6 +29,15 @@ class TinkerServeConfig(BaseModel):
     max_context: int = Field(
         4096, ge=8, description="longest prompt + completion (tokens) a request may ask for"
     )
+    train_micro_tokens: int = Field(
+        8192,
+        ge=1,
+        description="forward_backward runs datums in micro-batches of at most this many padded "
+        "tokens (bounds the (B, T, vocab) log-prob memory)",
+    )
+    sample_max_rows: int = Field(
+        64, ge=1, description="most sequences one sampling batch decodes at once"
+    )
     long_poll_s: float = Field(
         10.0, gt=0, le=40, description="how long retrieve_future waits before 'try again'"
     )

@@ -170,7 +170,9 @@ class TinkerService:
         tenant = self.tenant(call.model_id)
 
         def run() -> bytes:
-            outputs, metrics = compute.forward_backward(tenant, call, self.device, self.pad_id)
+            outputs, metrics = compute.forward_backward(
+                tenant, call, self.device, self.pad_id, self.cfg.train_micro_tokens
+            )
             return encode_forward_backward_output(outputs, metrics)
 
         kind = "forward" if call.forward_only else "forward_backward"
@@ -293,7 +295,9 @@ class TinkerService:
 
         def run(jobs: list[compute.SampleJob]) -> list[bytes]:
             module, context = self._sampling_module(folder)
-            done = compute.sample_batch(module, context, self.host.tokenizer, jobs)
+            done = compute.sample_batch(
+                module, context, self.host.tokenizer, jobs, self.cfg.sample_max_rows
+            )
             return [encode_sample_response(seqs, lp) for seqs, lp in done]
 
         key = ("sample", str(folder), job.params, job.stop_texts)
