@@ -6,6 +6,7 @@
     gyre verify-resume [CONFIG.yaml] [key=value ...]   kill -9 + resume == uninterrupted?
     gyre report RUN_DIR [--out FILE] [--watch]  HTML report of a finished or running run
     gyre serve MODEL_DIR [--host H] [--port N] [--api-key KEY]   OpenAI-compatible server
+    gyre tinker-serve [--host H] [--port N] [--api-key-file F] [key=value ...]   Tinker API
     gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
     gyre import FILE.gguf --out DIR            a GGUF checkpoint as a Hugging Face folder
     gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
@@ -222,6 +223,10 @@ def _run(argv: list[str]) -> int:
         from gyre.telemetry.report import main as report_main
 
         return report_main(argv[1:])
+    if argv[:1] == ["tinker-serve"]:  # the Tinker API for the official SDK (docs/tinker.md)
+        from gyre.tinker.server import main as tinker_main
+
+        return tinker_main(argv[1:])
     if argv and argv[0] in ("serve", "export", "import"):  # paths and flags, not config keys
         from gyre.commands import export, import_gguf
         from gyre.serve import server

@@ -1,0 +1,51 @@
+"""A ``gyre tinker-serve`` on a free loopback port for the official-SDK tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from serve_helpers import free_port
+
+
+@dataclass
+class LocalTinker:
+    url: str
+    service: object
+    server: object
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.service.futures.close()
+
+
+def start_in_process(state_dir: Path, **overrides: object) -> LocalTinker:
+    """The server in a thread of this process (one import of torch, one tiny model)."""
+    import uvicorn
+
+    from gyre.tinker.config import TinkerServeConfig
+    from gyre.tinker.server import build_service, create_app
+
+    cfg = TinkerServeConfig(state_dir=str(state_dir), long_poll_s=2.0, **overrides)
+    service = build_service(cfg)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                return LocalTinker(url, service, server, thread)
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError("tinker-serve did not come up")
