@@ -33,7 +33,8 @@ token. (In scenario 1 the work is identical: exactly ``max_new_tokens`` per row;
 ``min_new_tokens`` masks EOS while gyre does not stop on it, which changes at most a sampled
 token, never the amount of work.)
 
-Timing: each side is warmed up once (scenario 2 warms up on one task only, to save CPU), then
+Timing: each side is warmed up once (scenario 1 with 4 new tokens, scenario 2 on one task only,
+to save CPU), then
 timed R times with ``time.perf_counter``, gyre and HF runs interleaved so that background load
 hits both alike. The headline figure is the BEST (fastest) of the R runs -- other load on the
 machine can only slow a run down -- and the median is reported next to it.
@@ -43,6 +44,8 @@ Run::
     python bench/rollout.py                  # defaults: 1 thread, P=8, G=8, 32 new tokens
     python bench/rollout.py --threads 2 --repeats 5
     python bench/rollout.py --model /path/to/hf-folder
+    python bench/rollout.py --model DIR --prompts 16 --group-size 8 --max-new-tokens 128 \
+        --scenarios single --repeats 2   # single-turn groups at a real model's size
     python bench/rollout.py --quick          # smoke test, a few seconds
     python bench/rollout.py --perf compaction=false  # one optimisation off (docs/performance.md)
     python bench/rollout.py --perf engine_lean_forward=false  # the engine on the HF forward
@@ -326,6 +329,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: smoke test")
     p.add_argument(
+        "--scenarios",
+        default="single,multi",
+        help="comma-separated: single (single-turn groups), multi (multi-turn maze)",
+    )
+    p.add_argument(
         "--perf",
         action="append",
         default=[],
@@ -339,6 +347,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("threads", "prompts", "group_size", "max_new_tokens", "episodes", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    args.scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
+    if not args.scenarios or set(args.scenarios) - {"single", "multi"}:
+        p.error("--scenarios: a comma-separated subset of single,multi")
     overrides = [f"perf.{item}" for item in args.perf]
     if args.compile:
         overrides.append("perf.compile_decode=true")
@@ -382,9 +393,9 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     def make_env() -> MazeEnv:
         return MazeEnv()
 
-    single: dict[str, Callable[[], RunResult]] = {
-        "gyre": lambda: single_turn_gyre(engine, prompts, G, args.max_new_tokens),
-        "hf": lambda: single_turn_hf(model, tokenizer, prompts, G, args.max_new_tokens),
+    single: dict[str, Callable[[int], RunResult]] = {
+        "gyre": lambda n: single_turn_gyre(engine, prompts, G, n),
+        "hf": lambda n: single_turn_hf(model, tokenizer, prompts, G, n),
     }
     multi: dict[str, Callable[[Sequence[int]], RunResult]] = {
         "gyre": lambda s: multi_turn_gyre(
@@ -392,20 +403,24 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         ),
         "hf": lambda s: multi_turn_hf(model, tokenizer, make_env, s, G, args.turn_tokens),
     }
-    results: dict[str, dict[str, SideSummary]] = {
-        "single_turn": {"gyre": SideSummary(), "hf": SideSummary()},
-        "multi_turn": {"gyre": SideSummary(), "hf": SideSummary()},
-    }
+    do_single, do_multi = "single" in args.scenarios, "multi" in args.scenarios
+    results: dict[str, dict[str, SideSummary]] = {}
+    if do_single:
+        results["single_turn"] = {"gyre": SideSummary(), "hf": SideSummary()}
+    if do_multi:
+        results["multi_turn"] = {"gyre": SideSummary(), "hf": SideSummary()}
     warmup: dict[str, float] = {}
     for side in ("gyre", "hf"):  # warm-up, untimed (with --compile: includes compilation)
         t0 = time.perf_counter()
-        single[side]()
-        multi[side](seeds[:1])
+        if do_single:
+            single[side](min(4, args.max_new_tokens))
+        if do_multi:
+            multi[side](seeds[:1])
         warmup[side] = round(time.perf_counter() - t0, 2)
     for _ in range(args.repeats):  # interleaved so background load hits both sides alike
-        for side in ("gyre", "hf"):
-            results["single_turn"][side].runs.append(single[side]())
-        for side in ("gyre", "hf"):
+        for side in ("gyre", "hf") if do_single else ():
+            results["single_turn"][side].runs.append(single[side](args.max_new_tokens))
+        for side in ("gyre", "hf") if do_multi else ():
             results["multi_turn"][side].runs.append(multi[side](seeds))
 
     report: dict[str, Any] = {"bench": "rollout", "threads": args.threads, "stat": "best"}
@@ -415,10 +430,14 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         entry["ratio"] = _ratio(g.best().tokens_per_s, h.best().tokens_per_s)
         entry["ratio_median"] = _ratio(g.median_tok_s(), h.median_tok_s())
         report[scen] = entry
-    report["single_turn"].update(
-        prompts=args.prompts, group_size=G, max_new_tokens=args.max_new_tokens
-    )
-    report["multi_turn"].update(tasks=args.episodes, group_size=G, max_new_tokens=args.turn_tokens)
+    if do_single:
+        report["single_turn"].update(
+            prompts=args.prompts, group_size=G, max_new_tokens=args.max_new_tokens
+        )
+    if do_multi:
+        report["multi_turn"].update(
+            tasks=args.episodes, group_size=G, max_new_tokens=args.turn_tokens
+        )
     report.update(
         # the perf.* keys the gyre side ran with; lean_forward: whether it really ran
         engine_flags={**perf.model_dump(), "lean_forward": engine._lean() is not None},
@@ -447,6 +466,8 @@ def print_table(r: dict[str, Any]) -> None:
     print(head)
     print("-" * len(head))
     for scen in ("single_turn", "multi_turn"):
+        if scen not in r:
+            continue
         e = r[scen]
         for side in ("gyre", "hf"):
             tps = f"{e[f'{side}_tok_s']:.0f} ({e[f'{side}_tok_s_median']:.0f})"

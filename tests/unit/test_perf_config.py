@@ -23,6 +23,7 @@ PERF_KEYS = {
     "engine_lean_forward": True,
     "pack": True,
     "logprob_chunk": 1024,
+    "activation_checkpointing": False,
     "share_prefix": True,
     "score_trim": True,
     "shared_prefix_attention": True,

@@ -83,3 +83,39 @@ def test_samples_follow_distribution():
     tokens, logps = sample_tokens(logits, 1.0, 0.75, torch.Generator().manual_seed(0))
     assert (tokens != 2).all()
     assert torch.isfinite(logps).all()
+
+
+def test_keyed_draw_equals_full_inverse_cdf_at_a_real_vocab_size():
+    # the two-level inverse CDF picks the token a full float64 cumsum picks, at 49,152 + 5
+    # tokens (not a multiple of the block), with the sampled tokens' log-probs of the softmax
+    import numpy as np
+
+    from gyre.models.sampling import keyed_uniforms, sample_tokens_keyed
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49157, generator=g) * 3
+    seeds = np.arange(64, dtype=np.uint64) * 7 + 1
+    counters = np.arange(64, dtype=np.uint64)
+    tokens, logps = sample_tokens_keyed(logits, 1.0, 1.0, seeds, counters)
+    full = torch.log_softmax(logits, -1)
+    cdf = torch.cumsum(full.double().exp(), -1)
+    u = keyed_uniforms(seeds, counters)[:, None] * cdf[:, -1:]
+    expected = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(logps, full.gather(-1, tokens[:, None]).squeeze(-1))
+
+
+def test_keyed_draw_never_picks_a_zero_weight_token():
+    import numpy as np
+
+    from gyre.models.sampling import inverse_cdf
+
+    weights = torch.zeros(4000, 700)
+    weights[:, [3, 255, 256, 600]] = torch.tensor([0.5, 0.2, 0.2, 0.1])
+    u = torch.linspace(0, 1, 4000, dtype=torch.float64)  # includes the edges 0 and 1
+    tokens, totals = inverse_cdf(weights, u)
+    assert set(tokens.tolist()) == {3, 255, 256, 600}
+    freq = torch.bincount(tokens, minlength=601)[[3, 255, 256, 600]].float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.2, 0.2, 0.1]), atol=2e-3, rtol=0)
+    torch.testing.assert_close(totals, torch.ones(4000, dtype=torch.float64))
+    assert np.isfinite(totals.numpy()).all()

@@ -109,6 +109,11 @@ class PerfConfig(Section):
         description="Trainer: positions per LM-head/log-softmax chunk (checkpointed); 0 = all "
         "at once (with pack=false: the plain full-logits path).",
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Trainer: keep only each decoder layer's input in forward and recompute "
+        "the layer in backward (less activation memory, about a third more forward compute).",
+    )
     share_prefix: bool = Field(
         True,
         description="Trainer: tree-pack rows sharing a prefix (a group's prompt) so it is "

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from gyre.models.lean_decode import cascade_attention, prepare_cache, row_decode_attention
 
@@ -147,6 +148,27 @@ def lean_for(model: torch.nn.Module, enabled: bool = True) -> LeanForward | None
     lean = LeanForward(model)
     model.__dict__["_gyre_lean"] = lean  # not a submodule: no state_dict / parameters entry
     return lean
+
+
+def checkpointed(model: torch.nn.Module) -> bool:
+    """Whether the model's decoder layers are set to recompute activations in backward."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and bool(getattr(layers[0], "gradient_checkpointing", False))
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward (``perf.activation_checkpointing``): the Hugging
+    Face forward through transformers' own switch, the lean forward by reading its flag."""
+    if not getattr(model, "supports_gradient_checkpointing", True):
+        raise ValueError(
+            f"perf.activation_checkpointing: {type(model).__name__} does not support it"
+        )
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers before the rename
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _lin(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
@@ -340,11 +362,23 @@ class LeanForward:
         if cache is not None:
             prepare_cache(cache, step, shared_attn)
         gmask = None  # the grouped layout's block mask, built by the first layer that needs it
-        for li, (ln1, ln2, qp, kp, vp, op, gp, up, dp) in enumerate(self._layers()):
+        # Activation checkpointing (perf.activation_checkpointing, set on the HF layers by
+        # enable_activation_checkpointing): a cache-free forward under autograd keeps only each
+        # layer's input and recomputes the layer in backward.
+        ckpt = cache is None and torch.is_grad_enabled() and checkpointed(self.model)
+        for li, params in enumerate(self._layers()):
+            if ckpt:
+                x = checkpoint(self._plain_layer, x, li, params, cos, sin, mask, fuse,
+                               use_reentrant=False)  # fmt: skip
+                continue
+            if cache is None:
+                x = self._plain_layer(x, li, params, cos, sin, mask, fuse)
+                continue
+            ln1, ln2, qp, kp, vp, op, gp, up, dp = params
             h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps)
             q, k, v = self._qkv(h, li, (qp, kp, vp), cos, sin, fuse)
             group = getattr(cache.layers[li], "_gyre_group", None) if step else None
-            if group is None and cache is not None:
+            if group is None:
                 k, v = _append_kv(cache.layers[li], k, v)
             pre = getattr(cache.layers[li], "_gyre_prefix", None) if decode else None
             if group is not None:  # a fresh batch of forked groups (appends in attend)
@@ -361,15 +395,41 @@ class LeanForward:
                     q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa
                 )
                 o = o.transpose(1, 2).reshape(B, C, nh * hd)
-            x = x + _lin(o, op)
-            h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps)
-            if fuse:
-                w, _ = self._cat(3 * li + 1, [gp, up])
-                g, u = F.linear(h, w).chunk(2, dim=-1)
-            else:
-                g, u = _lin(h, gp), _lin(h, up)
-            x = x + _lin(F.silu(g) * u, dp)
+            x = self._mlp(x + _lin(o, op), li, ln2, gp, up, dp, fuse)
         return F.rms_norm(x, (x.shape[-1],), inner.norm.weight, self.eps)
+
+    def _plain_layer(
+        self,
+        x: torch.Tensor,
+        li: int,
+        params: tuple[Any, ...],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        fuse: bool,
+    ) -> torch.Tensor:
+        """Decoder layer ``li`` without a cache (training and scoring): (B, C, hidden) -> same."""
+        ln1, ln2, qp, kp, vp, op, gp, up, dp = params
+        B, C, _ = x.shape
+        h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps)
+        q, k, v = self._qkv(h, li, (qp, kp, vp), cos, sin, fuse)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
+        )
+        o = o.transpose(1, 2).reshape(B, C, self.n_heads * self.head_dim)
+        return self._mlp(x + _lin(o, op), li, ln2, gp, up, dp, fuse)
+
+    def _mlp(
+        self, x: torch.Tensor, li: int, ln2: torch.Tensor, gp: Any, up: Any, dp: Any, fuse: bool
+    ) -> torch.Tensor:
+        """The residual MLP half of layer ``li``: x + down(silu(gate(h)) * up(h)), h normed."""
+        h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps)
+        if fuse:
+            w, _ = self._cat(3 * li + 1, [gp, up])
+            g, u = F.linear(h, w).chunk(2, dim=-1)
+        else:
+            g, u = _lin(h, gp), _lin(h, up)
+        return x + _lin(F.silu(g) * u, dp)
 
     def _qkv(
         self,

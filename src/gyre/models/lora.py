@@ -79,7 +79,19 @@ def lora_base_path(cfg: Config, run_dir: Path) -> Path:
 def load_policy(
     cfg: Config, run_dir: Path, policy_path: Path, device: torch.device
 ) -> tuple[torch.nn.Module, Any]:
-    """The trainable policy: a plain model, a fresh LoRA on it, or a checkpointed adapter."""
+    """The trainable policy: a plain model, a fresh LoRA on it, or a checkpointed adapter
+    (with ``perf.activation_checkpointing``: its decoder layers recompute in backward)."""
+    model, tokenizer = _load_policy(cfg, run_dir, policy_path, device)
+    if cfg.perf.activation_checkpointing:
+        from gyre.models.lean import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
+    return model, tokenizer
+
+
+def _load_policy(
+    cfg: Config, run_dir: Path, policy_path: Path, device: torch.device
+) -> tuple[torch.nn.Module, Any]:
     if cfg.model.lora is None:
         if is_adapter_dir(policy_path) and not (policy_path / "config.json").is_file():
             raise ValueError(
