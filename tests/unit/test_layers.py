@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rollout", "trainer"),  # episodes -> trajectories; trajectories -> an update
     ("sft",),  # the SFT warm start
     ("loop",),  # train(cfg)
-    ("runners", "serve", "commands"),  # placements, gyre serve, one-off commands
+    ("runners", "serve", "tinker", "commands"),  # placements, servers, one-off commands
     ("cli",),  # the gyre command
 )
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

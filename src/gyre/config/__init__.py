@@ -6,7 +6,7 @@ names the dotted key and the offending value.
 
 The sections live by subject: ``base`` (the section base, bounds), ``run`` (run, model,
 rollout and the small env sections), ``envs`` (the ``env`` section, built from a registry of the
-built-in envs' sections; the maze's lives beside it in :mod:`gyre.envs.maze`), ``train``
+built-in envs' sections; the maze's in ``maze``), ``train``
 (sampling, SFT, algorithm, DAPO, GRPO), ``engine`` (engine, ``perf:``), ``ops`` (eval,
 checkpoint, faults, log, telemetry), ``ray``, ``rewards``; ``root`` holds :class:`Config` and
 ``loading`` the YAML / override parsing and the shipped recipes. Import them from here.
@@ -40,7 +40,7 @@ _WHERE = {
         "ArithmeticConfig", "DatasetConfig", "LoraConfig", "ModelConfig", "RolloutConfig",
         "RunConfig",
     ],
-    "gyre.envs.maze": ["MazeConfig"],
+    "gyre.config.maze": ["MazeConfig"],
     "gyre.config.train": [
         "AlgoConfig", "DapoConfig", "LevelReplayConfig", "SamplingConfig", "SFTConfig",
         "TrainConfig",

@@ -1,8 +1,8 @@
 """The ``env`` section, built from a registry of the built-in envs' own sections.
 
-Each built-in env declares its settings once, as a section class: the maze beside its code
-(:class:`gyre.envs.maze.MazeConfig`), the others in small modules whose envs import optional
-packages (``gyre.config.adapters``, ``gyre.config.visual``, ``gyre.config.run``). The core
+Each built-in env declares its settings once, as a section class in the config layer (which
+never imports an env): the maze's in ``gyre.config.maze`` (re-exported by its env module), the
+others in ``gyre.config.adapters``, ``gyre.config.visual`` and ``gyre.config.run``. The core
 config knows them only through :data:`ENV_SECTIONS`: one entry per built-in ``env.name``, whose
 section is ``env.<name>``. Adding a built-in env is one entry here.
 """
@@ -15,13 +15,13 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from gyre.config.adapters import GymnasiumConfig, ReasoningGymConfig
 from gyre.config.base import Section
+from gyre.config.maze import MazeConfig
 from gyre.config.run import ArithmeticConfig, DatasetConfig
 from gyre.config.visual import MiniGridConfig, VisualMazeConfig
-from gyre.envs.maze import MazeConfig
 
 # env.name -> (its section class, the section's one-line description)
 ENV_SECTIONS: dict[str, tuple[type[Section], str]] = {
-    "maze": (MazeConfig, "Maze settings (gyre.envs.maze)."),
+    "maze": (MazeConfig, "Maze settings (gyre.config.maze, for gyre.envs.maze)."),
     "arithmetic": (ArithmeticConfig, "Arithmetic settings."),
     "dataset": (DatasetConfig, "Prompt-dataset (JSONL / JSON / Parquet / Arrow) settings."),
     "gymnasium": (GymnasiumConfig, "gymnasium adapter settings."),
