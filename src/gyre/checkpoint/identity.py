@@ -30,6 +30,9 @@ RESUME_MAY_CHANGE = (
     "model.path",
     "engine.api_key",  # a secret (written as '***'): rotating it changes nothing
     "engine.api_key_file",
+    "engine.verify_every",  # the sync check only reads the engines
+    "engine.verify_tolerance",
+    "engine.verify_tokens",
     "train.steps",
     "eval.",
     "checkpoint.",

@@ -74,6 +74,13 @@ class FaultsConfig(_Section):
         le=1.0,
         description="Abort when more than this share of all episodes so far raised in the env.",
     )
+    max_rollout_logprob_gap: float = Field(
+        0.15,
+        ge=0.0,
+        description="Abort (exit 3) when an on-policy step's train/rollout_logprob_gap (mean "
+        "|trainer - engine| log-prob per sampled token, nats) is over this: the engines do not "
+        "sample the trainer's policy. fp32 engines: ~1e-7; bf16 servers: ~0.01-0.05. 0 = off.",
+    )
 
 
 class LogConfig(_Section):

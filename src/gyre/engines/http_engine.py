@@ -211,6 +211,36 @@ class HttpEngine:
                 self._weights_path, self._adapter = path, None
             self.version = version
 
+    def prompt_logprobs_each(self, ids: list[int]) -> dict[str, list[float]]:
+        """Each live server's log-probs of the prompt ``ids`` under the current policy (the
+        adapter, if any): the sync check of :mod:`gyre.engines.verify`."""
+        from gyre.engines import verify
+
+        out = {}
+        with self._sync_lock:
+            for s in [s for s in self.servers if s.alive]:
+                try:
+                    if self.api == "sglang":
+                        lora = self._adapter[0] if self._adapter else None
+                        body = verify.sglang_probe_body(ids, lora)
+                        r = self._client.post(f"{s.url}/generate", json=body)
+                        parse = verify.parse_sglang_prompt_logprobs
+                    else:
+                        body = verify.openai_probe_body(ids, self.model_name)
+                        r = self._client.post(f"{s.url}/v1/completions", json=body)
+                        parse = verify.parse_openai_prompt_logprobs
+                except self._httpx.TransportError as exc:
+                    self._take_out(s, f"sync check: {exc!r}")
+                    continue
+                if r.status_code != 200:
+                    raise ServerError(f"{s.url} refused the sync check: {_error_text(r)}")
+                try:
+                    out[s.url] = parse(r.json(), ids)
+                except (KeyError, IndexError, TypeError, ValueError) as exc:
+                    raise ServerError(f"{s.url} answered the sync check without prompt "
+                                      f"log-probs: {exc}") from exc  # fmt: skip
+        return out
+
     def _lora_route(self, verb: str) -> str:
         # vLLM: /v1/load_lora_adapter; SGLang: /load_lora_adapter (same bodies)
         return f"/v1/{verb}_lora_adapter" if self.api == "openai" else f"/{verb}_lora_adapter"
