@@ -75,7 +75,7 @@ class LyingProxy:
         self._lock = threading.Lock()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._http = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
+        self._http = _QuietServer(("127.0.0.1", self.port), _handler(self))
         self._http.daemon_threads = True
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
         self._thread.start()
@@ -141,6 +141,11 @@ class LyingProxy:
         if data.get("lora_path") in self.faked:
             data = {**data, "lora_path": None}
         return data
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that gave up on a wedged answer: nothing to report."""
 
 
 def _json(obj: Any) -> tuple[int, str, bytes]:

@@ -102,3 +102,39 @@ def test_without_the_sync_check_the_rollout_gap_guard_stops_the_run(tmp_path, ba
     assert rc == 3, err
     assert err[-1].startswith("gyre: aborted: GRPO step 2: train/rollout_logprob_gap ")
     assert "faults.max_rollout_logprob_gap=0.15" in err[-1]
+
+
+def test_a_wedged_engine_ends_the_run_as_a_named_engine_fault(tmp_path, base, capsys):
+    """The server accepts connections and never answers (after 5 completions): the run stops
+    within the deadline (a request's engine.timeout_s, then as long for a live server)."""
+    server = ThreadServer(base)
+    proxy = LyingProxy(server.url, "wedge", wedge_after=5)
+    try:
+        rc, _, took = _train(tmp_path, base, [proxy.url], "engine.timeout_s=2")
+    finally:
+        proxy.stop()
+        server.stop()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 69, err
+    assert err[-1].startswith(f"gyre: engine fault: completion (no live server): no answer "
+                              f"from {proxy.url} for 2 s (engine.timeout_s=2)")  # fmt: skip
+    assert "ReadTimeout" in err[-1]
+    assert took < 60
+
+
+def test_a_wedged_engine_of_two_leaves_rotation_and_the_run_completes(tmp_path, base):
+    a, b = ThreadServer(base), ThreadServer(base)
+    wedged = LyingProxy(a.url, "wedge", wedge_after=3)
+    try:
+        rc, _, took = _train(tmp_path, base, [wedged.url, b.url], "engine.timeout_s=2")
+    finally:
+        wedged.stop()
+        a.stop()
+        b.stop()
+    assert rc == 0
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[-1]["engine/servers_alive"] == 1.0
+    assert all(r["sync/verify_gap"] < 1e-4 for r in steps)  # the live one is checked each step
+    assert took < 60

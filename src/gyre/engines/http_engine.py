@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from gyre.deadlines import BadAnswer, PeerFault
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,10 @@ log = logging.getLogger(__name__)
 APIS = ("openai", "sglang")
 
 
-class ServerError(RuntimeError):
-    """A server answered, but not usefully (bad status, malformed body)."""
+class ServerError(BadAnswer):
+    """A server answered, but not usefully (bad status, malformed body): an engine fault."""
 
-
-class NoServerError(RuntimeError):
-    """No server was alive for longer than the request timeout."""
+    kind = "engine"
 
 
 @dataclass
@@ -59,6 +58,16 @@ class ServerState:
     served: int = 0  # completed generation requests
     failures: int = 0
     last_error: str = ""
+
+
+class NoServerError(PeerFault):
+    """No server answered a stage of the run within its deadline: an engine fault (exit 69)
+    naming the stage, every server with its last error, and the time waited."""
+
+    def __init__(self, stage: str, servers: list[ServerState], waited_s: float, key: str) -> None:
+        peers = ", ".join(s.url for s in servers)
+        errors = "; ".join(f"{s.url}: {s.last_error}" for s in servers if s.last_error)
+        super().__init__("engine", stage, peers, waited_s, key, errors)
 
 
 def _httpx() -> Any:
@@ -136,7 +145,13 @@ class HttpEngine:
             self._pool.submit(self._complete, r.prompt_ids, _own_temperature(params, r), i, uris[i])
             for i, r in enumerate(requests)
         ]
-        return [f.result() for f in futures]
+        # Each request ends within (max_retries + 1) attempts of timeout_s plus the wait for a
+        # live server; the bound here only names a hang past that.
+        bound = self.timeout_s * (self.max_retries + 3)
+        try:
+            return [f.result(timeout=bound) for f in futures]
+        except TimeoutError:
+            raise NoServerError("completion", self.servers, bound, "engine.timeout_s") from None
 
     def release(self, sessions: Iterable[Hashable]) -> None:
         """Nothing to free: servers keep their own prefix caches."""
@@ -307,7 +322,9 @@ class HttpEngine:
                 except self._httpx.TransportError as exc:
                     self._take_out(s, repr(exc))
             self._wait_for_server(deadline)
-        raise NoServerError(f"no server answered /v1/models within {self.timeout_s}s")
+        raise NoServerError(
+            "start-up (GET /v1/models)", self.servers, self.timeout_s, "engine.timeout_s"
+        )
 
     # -- one request ------------------------------------------------------------------------
     def _body(
@@ -377,10 +394,10 @@ class HttpEngine:
             with self._cond:
                 self.stats["retries"] += 1
             if attempts > self.max_retries:
-                raise NoServerError(
-                    f"a completion failed {attempts} times; last errors: "
-                    + "; ".join(f"{x.url}: {x.last_error}" for x in self.servers if x.last_error)
-                )
+                waited = time.monotonic() - deadline + self.timeout_s
+                key = f"engine.max_retries={self.max_retries}, engine.timeout_s={self.timeout_s:g}"
+                raise NoServerError(f"completion (failed {attempts} times)", self.servers,
+                                    waited, key)  # fmt: skip
 
     def _pick(self, deadline: float) -> ServerState:
         with self._cond:
@@ -394,10 +411,9 @@ class HttpEngine:
                     return s
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NoServerError(
-                        f"no live server for {self.timeout_s}s: "
-                        + "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
-                    )
+                    key = f"engine.timeout_s={self.timeout_s:g}"
+                    raise NoServerError("completion (no live server)", self.servers,
+                                        self.timeout_s, key)  # fmt: skip
                 self._cond.wait(min(left, self.health_interval_s))
 
     def _wait_for_server(self, deadline: float) -> None:

@@ -89,7 +89,8 @@ class RolloutWorker:
 
         t0 = time.perf_counter()
         w = weights[0]
-        state = w if isinstance(w, (dict, str)) else ray.get(w)
+        timeout = self.cfg.faults.call_timeout_s  # an object-store fetch (exit 69 past it)
+        state = w if isinstance(w, (dict, str)) else ray.get(w, timeout=timeout)
         self.load_weights(state, version)
         return time.perf_counter() - t0
 
