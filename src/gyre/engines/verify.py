@@ -89,10 +89,11 @@ def model_prompt_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]
 
 
 def openai_probe_body(ids: list[int], model: str) -> dict[str, Any]:
-    """vLLM's completions request for the prompt's log-probs (one greedy token is generated:
-    vLLM needs ``max_tokens >= 1``)."""
-    return {"model": model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
-            "prompt_logprobs": 0}  # fmt: skip
+    """vLLM's completions request for the prompt's log-probs (one token is generated: vLLM
+    needs ``max_tokens >= 1``). Temperature 1 and top-p 1, so that a server reporting
+    processed log-probs (vLLM's ``--logprobs-mode processed_logprobs``) reports raw ones."""
+    return {"model": model, "prompt": list(ids), "max_tokens": 1, "temperature": 1.0,
+            "top_p": 1.0, "prompt_logprobs": 0}  # fmt: skip
 
 
 def parse_openai_prompt_logprobs(data: dict[str, Any], ids: list[int]) -> list[float]:
@@ -107,7 +108,7 @@ def sglang_probe_body(ids: list[int], lora: str | None) -> dict[str, Any]:
     """SGLang's ``/generate`` request for the prompt's log-probs."""
     return {
         "input_ids": list(ids),
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0},
         "return_logprob": True,
         "logprob_start_len": 0,
         "lora_path": lora,

@@ -510,6 +510,7 @@ class RayPlacement:
                             "policy_version": t.policy_version,
                             "staleness": step - 1 - t.policy_version,
                             "reward": t.reward,
+                            "response_tokens": t.num_generated,
                         }
                         f.write(json.dumps(row) + "\n")
 
