@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 BASE = [
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4",
     "model.intermediate_size=64", "log.console=off", "run.threads=1", "sft.steps=0",
-    "train.steps=10", "train.tasks_per_step=4", "train.group_size=2", "train.lr=0.01",
+    "train.steps=16", "train.tasks_per_step=4", "train.group_size=2", "train.lr=0.01",
     "train.mini_batches=1", "train.algo.entropy_coef=0.05", "eval.episodes=0",
     "checkpoint.every=1", "checkpoint.keep=2", "train.level_replay.prob=0", "runner=ray",
     "ray.rollout_workers=2", "ray.rollout.num_cpus=0.5", "ray.trainer.num_cpus=0.5",
@@ -121,7 +121,7 @@ def test_async_kill9_at_ten_moments_loses_no_task_and_trains_none_twice(tmp_path
     dropped = sum(1 for s in status.values() if s == {"dropped"})
     assert dropped == int(state["dropped"])
     trained = sum(1 for s in status.values() if s == {"trained"})
-    assert trained == 10 * 4  # train.steps x tasks_per_step groups, each trained once
+    assert trained == 16 * 4  # train.steps x tasks_per_step groups, each trained once
     a, b = _lengths(killed), _lengths(tmp_path / "straight")
     assert len(a) == len(b)
     mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
