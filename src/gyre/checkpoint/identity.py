@@ -33,6 +33,8 @@ RESUME_MAY_CHANGE = (
     "engine.verify_every",  # the sync check only reads the engines
     "engine.verify_tolerance",
     "engine.verify_tokens",
+    "ray.address",  # where the cluster is and where Ray keeps its session: not the run
+    "ray.temp_dir",
     "train.steps",
     "eval.",
     "checkpoint.",
