@@ -110,14 +110,14 @@ def test_a_wedged_engine_ends_the_run_as_a_named_engine_fault(tmp_path, base, ca
     server = ThreadServer(base)
     proxy = LyingProxy(server.url, "wedge", wedge_after=5)
     try:
-        rc, _, took = _train(tmp_path, base, [proxy.url], "engine.timeout_s=2")
+        rc, _, took = _train(tmp_path, base, [proxy.url], "engine.timeout_s=1")
     finally:
         proxy.stop()
         server.stop()
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 69, err
     assert err[-1].startswith(f"gyre: engine fault: completion (no live server): no answer "
-                              f"from {proxy.url} for 2 s (engine.timeout_s=2)")  # fmt: skip
+                              f"from {proxy.url} for 1 s (engine.timeout_s=1)")  # fmt: skip
     assert "ReadTimeout" in err[-1]
     assert took < 60
 
