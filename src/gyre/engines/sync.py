@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gyre.config import EngineConfig
-from gyre.engines.verify import SyncVerifier, probe_ids
+from gyre.engines.verify import SyncVerifier, placeholder_ids, probe_ids
 from gyre.models.lora import save_adapter_atomic, save_full_atomic, trainable_state
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -68,7 +68,8 @@ class WeightSync:
     def _verifier(self, model: torch.nn.Module) -> SyncVerifier:
         if self.verifier is None:
             vocab = model.get_input_embeddings().num_embeddings
-            ids = probe_ids(self.tokenizer, vocab, self.cfg.verify_tokens, self.seed)
+            never = placeholder_ids(model)
+            ids = probe_ids(self.tokenizer, vocab, self.cfg.verify_tokens, self.seed, never)
             cfg = self.cfg
             self.verifier = SyncVerifier(self.engine, ids, cfg.verify_every, cfg.verify_tolerance)
         return self.verifier

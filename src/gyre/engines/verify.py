@@ -39,9 +39,12 @@ class SyncNotApplied(FaultAbort):
     """An engine does not serve the policy it was synced to (exit 3)."""
 
 
-def probe_ids(tokenizer: Any, vocab_size: int, n: int, seed: int) -> list[int]:
-    """``n`` token ids drawn with ``seed`` from the vocabulary, special tokens left out."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+def probe_ids(
+    tokenizer: Any, vocab_size: int, n: int, seed: int, never: tuple[int, ...] = ()
+) -> list[int]:
+    """``n`` token ids drawn with ``seed`` from the vocabulary, special tokens (and ``never``:
+    a VLM's image and video placeholders, which a text-only forward refuses) left out."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(never)
     pool = torch.tensor([i for i in range(vocab_size) if i not in special])
     g = torch.Generator().manual_seed(seed + PROBE_SEED_OFFSET)
     return pool[torch.randint(len(pool), (n,), generator=g)].tolist()
@@ -155,6 +158,13 @@ def engine_prompt_logprobs(engine: Any, ids: list[int]) -> dict[str, list[float]
 
 def mean_gap(a: list[float], b: list[float]) -> float:
     return float(torch.tensor(a).sub(torch.tensor(b)).abs().mean())
+
+
+def placeholder_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """A VLM's image / video placeholder token ids (none for a text model)."""
+    cfg = getattr(model, "config", None)
+    keys = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    return tuple(int(v) for k in keys if isinstance(v := getattr(cfg, k, None), int))
 
 
 class SyncVerifier:
