@@ -262,3 +262,35 @@ def test_the_rollout_gap_guard_acts_on_on_policy_steps_only():
     check_rollout_gap(0.15, {**m, "rollout/retried_turn_frac": 0.1}, [_traj(2)], step=3)
     check_rollout_gap(0.0, m, [_traj(2)], step=3)  # off
     check_rollout_gap(0.5, m, [_traj(2)], step=3)
+
+
+def test_a_server_that_comes_back_serving_another_policy_stays_out(served, tokenizer, tmp_path):
+    """A server restarted on its old weights whose reload is acknowledged and not applied is
+    kept out of rotation by the put-back check; once the reload works it is put back."""
+    import time
+
+    base, servers = served
+    _reset(servers, base)
+    proxy = LyingProxy(servers[0].url, "honest")
+    policy = _policy(base)
+    engine, sync = _syncer([proxy.url, servers[1].url], tokenizer, tmp_path)
+    try:
+        sync.remember(policy, 0)
+        _step(policy, seed=5)
+        sync.sync(policy, 1)
+        proxy.mode = "weights"
+        servers[0].host.update_weights(str(base), None)  # a restart: back on the base weights
+        engine._take_out(engine.servers[0], "restarted")
+        deadline = time.monotonic() + 10
+        while "came back serving" not in engine.servers[0].last_error:
+            assert time.monotonic() < deadline, engine.servers[0].last_error
+            time.sleep(0.1)
+        assert not engine.servers[0].alive
+        proxy.mode = "honest"
+        while not engine.servers[0].alive:
+            assert time.monotonic() < deadline + 10
+            time.sleep(0.1)
+        assert sync.sync(policy, 1)["sync/verify_gap"] < 1e-4
+    finally:
+        engine.close()
+        proxy.stop()

@@ -119,6 +119,7 @@ class HttpEngine:
         self._base_model = model
         self._adapter: tuple[str, str] | None = None  # (served name, path) of the current policy
         self._weights_path: str | None = None  # last full-weight sync folder
+        self.probe: tuple[list[int], list[float], float] | None = None  # the sync check's
         self._cond = threading.Condition()
         self._sync_lock = threading.RLock()  # sync and put-back never interleave
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="gyre-http")
@@ -229,32 +230,54 @@ class HttpEngine:
     def prompt_logprobs_each(self, ids: list[int]) -> dict[str, list[float]]:
         """Each live server's log-probs of the prompt ``ids`` under the current policy (the
         adapter, if any): the sync check of :mod:`gyre.engines.verify`."""
+        with self._sync_lock:
+            got = {s.url: self._score(s, ids) for s in self.servers if s.alive}
+        return {url: lp for url, lp in got.items() if lp is not None}
+
+    def _score(self, s: ServerState, ids: list[int]) -> list[float] | None:
+        """``ids``' prompt log-probs on server ``s`` (None: it did not answer, taken out)."""
         from gyre.engines import verify
 
-        out = {}
-        with self._sync_lock:
-            for s in [s for s in self.servers if s.alive]:
-                try:
-                    if self.api == "sglang":
-                        lora = self._adapter[0] if self._adapter else None
-                        body = verify.sglang_probe_body(ids, lora)
-                        r = self._client.post(f"{s.url}/generate", json=body)
-                        parse = verify.parse_sglang_prompt_logprobs
-                    else:
-                        body = verify.openai_probe_body(ids, self.model_name)
-                        r = self._client.post(f"{s.url}/v1/completions", json=body)
-                        parse = verify.parse_openai_prompt_logprobs
-                except self._httpx.TransportError as exc:
-                    self._take_out(s, f"sync check: {exc!r}")
-                    continue
-                if r.status_code != 200:
-                    raise ServerError(f"{s.url} refused the sync check: {_error_text(r)}")
-                try:
-                    out[s.url] = parse(r.json(), ids)
-                except (KeyError, IndexError, TypeError, ValueError) as exc:
-                    raise ServerError(f"{s.url} answered the sync check without prompt "
-                                      f"log-probs: {exc}") from exc  # fmt: skip
-        return out
+        try:
+            if self.api == "sglang":
+                body = verify.sglang_probe_body(ids, self._adapter[0] if self._adapter else None)
+                r = self._client.post(f"{s.url}/generate", json=body)
+                parse = verify.parse_sglang_prompt_logprobs
+            else:
+                body = verify.openai_probe_body(ids, self.model_name)
+                r = self._client.post(f"{s.url}/v1/completions", json=body)
+                parse = verify.parse_openai_prompt_logprobs
+        except self._httpx.TransportError as exc:
+            self._take_out(s, f"sync check: {exc!r}")
+            return None
+        if r.status_code != 200:
+            raise ServerError(f"{s.url} refused the sync check: {_error_text(r)}")
+        try:
+            return parse(r.json(), ids)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ServerError(f"{s.url} answered the sync check without prompt log-probs: "
+                              f"{exc}") from exc  # fmt: skip
+
+    def _serves_policy(self, s: ServerState) -> bool:
+        """A server coming back serves the last checked policy (``self.probe``, set by the sync
+        check: probe ids, the trainer's log-probs, the tolerance); else it stays out."""
+        if self.probe is None:
+            return True
+        from gyre.engines.verify import mean_gap
+
+        ids, want, tol = self.probe
+        got = self._score(s, ids)
+        if got is None:
+            return False
+        gap = mean_gap(got, want)
+        if gap > tol:
+            s.last_error = (
+                f"came back serving log-probs {gap:.4g} nats/token away from policy version "
+                f"{self.version} (engine.verify_tolerance={tol:g})"
+            )
+            log.warning("gyre: server %s kept out: %s", s.url, s.last_error)
+            return False
+        return True
 
     def _lora_route(self, verb: str) -> str:
         # vLLM: /v1/load_lora_adapter; SGLang: /load_lora_adapter (same bodies)
@@ -462,6 +485,8 @@ class HttpEngine:
                 if self.api != "openai" or name not in self._list_models(s):
                     if not self._push_adapter(s, name, path, None):
                         return
+            if not self._serves_policy(s):
+                return
             with self._cond:
                 s.alive = True
                 s.last_error = ""
