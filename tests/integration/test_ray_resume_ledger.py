@@ -13,8 +13,8 @@ account for every planned task (slow: GYRE_SLOW=1, a local Ray cluster per launc
   uninterrupted run's.
 
 Each launch is ``python -m gyre.cli train`` in its own session, killed with ``killpg(SIGKILL)``
-(the driver and the Ray processes it started) when ``metrics.jsonl`` reaches a drawn number of
-lines plus a drawn fraction of a second.
+(the driver and the Ray processes it started) when it logs the step after its last checkpoint,
+plus a drawn fraction of a second.
 """
 
 from __future__ import annotations
@@ -58,24 +58,39 @@ def _launch(run: Path, extra: list[str], log: Path) -> subprocess.Popen:
                                 start_new_session=True)  # fmt: skip
 
 
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
+def _logged_step(run: Path, since: float) -> int:
+    """The step of the last metrics line written after ``since`` (-1: none yet)."""
+    path = run / "metrics.jsonl"
+    if not path.exists() or path.stat().st_mtime < since:
+        return -1
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue  # a torn last line
+    return -1
+
+
+def _checkpointed(run: Path) -> int:
+    return max((int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")), default=0)
 
 
 def _run_with_kills(run: Path, extra: list[str], kills: int, seed: int) -> list[int]:
-    """Launch, kill -9 ``kills`` times at drawn moments, resume until it finishes."""
+    """Launch; kill -9 ``kills`` times, each when the launch logs the step after its last
+    checkpoint, plus a drawn fraction of a second (some kills land in the checkpoint write);
+    resume until it finishes."""
     rng = random.Random(seed)
     log = run.parent / f"{run.name}.log"
     done_kills: list[int] = []
     while True:
+        since = time.time()
         proc = _launch(run, extra, log)
         if len(done_kills) < kills:
-            target = _lines(run / "metrics.jsonl") + rng.randint(1, 2)
-            deadline = time.monotonic() + 600
-            while proc.poll() is None and _lines(run / "metrics.jsonl") < target:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
+            target = (_checkpointed(run) if run.exists() else 0) + 1
+            deadline = time.monotonic() + 900
+            while proc.poll() is None and _logged_step(run, since) < target:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
             time.sleep(rng.random() * 1.5)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
