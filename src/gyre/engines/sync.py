@@ -62,7 +62,7 @@ class WeightSync:
 
     def remember(self, model: torch.nn.Module, version: int) -> None:
         """Before the first sync: the trainer's probe log-probs at the engines' version."""
-        if self.mode != "shared" and self.cfg.verify_every:
+        if self.mode != "shared" and self.cfg.verify_every and not _sharded(model):
             self._verifier(model).remember(model, version)
 
     def _verifier(self, model: torch.nn.Module) -> SyncVerifier:
@@ -112,8 +112,8 @@ class WeightSync:
         return {**m, **self._verify(model, version)}
 
     def _verify(self, model: torch.nn.Module, version: int) -> dict[str, float]:
-        if not self.cfg.verify_every:
-            return {}
+        if not self.cfg.verify_every or _sharded(model):
+            return {}  # an FSDP2 shard cannot run a forward on one rank alone (a collective)
         return self._verifier(model).after_sync(model, version)
 
     def _clean(self, current: int) -> None:
@@ -128,3 +128,8 @@ class WeightSync:
         for v, p in found:
             if v not in keep:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
