@@ -20,6 +20,10 @@ Weight sync is through files on a filesystem every server can read (see
 :mod:`gyre.engines.sync`): :meth:`HttpEngine.load_adapter` loads a peft adapter folder under the
 name ``<prefix>-v<version>`` with ``/v1/load_lora_adapter`` and then requests use that name as
 ``model``; :meth:`HttpEngine.load_weights_from_disk` calls ``/update_weights_from_disk``.
+After a sync, :meth:`HttpEngine.prompt_logprobs_each` scores the sync check's probe on every live
+server (:mod:`gyre.engines.verify`); a server that comes back is scored on it before it is put
+back. No live server within the deadline, or a server answering unusably, is an engine fault
+(:class:`NoServerError`, :class:`ServerError`: exit 69, :mod:`gyre.deadlines`).
 """
 
 from __future__ import annotations
