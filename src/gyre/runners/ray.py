@@ -48,6 +48,7 @@ import torch
 from gyre.checkpoint.resume import Checkpointer, ResumePlan
 from gyre.checkpoint.store import list_checkpoints
 from gyre.config import Config, tasks_per_share
+from gyre.deadlines import PeerFault
 from gyre.loop import RolledBack
 from gyre.loop import train as loop_train
 from gyre.rewards.contract import reward_metrics
@@ -101,7 +102,15 @@ def connect_ray(cfg: Config) -> bool:
         kwargs["include_dashboard"] = False
         if cfg.ray.temp_dir:
             kwargs["_temp_dir"] = str(Path(cfg.ray.temp_dir).resolve())
-    ray.init(address=address, **kwargs)
+    t0 = time.monotonic()
+    try:
+        ray.init(address=address, **kwargs)
+    except (ValueError, ImportError):
+        raise  # a bad address or missing package: the user's to fix, said as it is
+    except Exception as exc:  # a raylet or GCS that did not start in time: a bare Exception
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PeerFault("worker", "Ray start-up", f"the Ray cluster at {address}",
+                        time.monotonic() - t0, "ray.address", first) from exc  # fmt: skip
     return True
 
 
