@@ -15,6 +15,8 @@ Exit codes: 0 done, 1 error, 2 config or input error (a key, a file, a dataset r
 one line), 3 aborted by a fault policy (faults.*, or nan/inf weights after an update), 75 stopped
 on SIGTERM/SIGINT after a checkpoint (resume with run.resume=auto), 130 second signal. Errors
 are one line on stderr; ``--debug`` also prints the traceback.
+69: a peer (an engine server, a reward worker, a Ray actor, a collective, storage) did not
+answer within its deadline: ``gyre: <kind> fault: <stage>: no answer from <peer> for N s (key)``.
 
 With no config file, ``gyre train`` and ``gyre sft`` run the shipped maze recipe
 (``gyre/recipes/maze.yaml``, the same file as examples/maze/config.yaml) unless the keys name
@@ -196,6 +198,7 @@ def _error_line(exc: Exception) -> tuple[str, int]:
     """(the stderr line, the exit code) of an error that ended a command."""
     from gyre.checkpoint.resume import EXIT_FAULTS, EXIT_PREEMPTED, FaultAbort, Preempted
     from gyre.checkpoint.store import CheckpointError
+    from gyre.deadlines import EXIT_PEER, BadAnswer, PeerFault
 
     if isinstance(exc, ConfigError):
         return f"gyre: config error: {exc}", 2
@@ -205,6 +208,10 @@ def _error_line(exc: Exception) -> tuple[str, int]:
         return f"gyre: {exc}", EXIT_PREEMPTED
     if isinstance(exc, FaultAbort):
         return f"gyre: aborted: {exc}", EXIT_FAULTS
+    if isinstance(exc, PeerFault):
+        return f"gyre: {exc}", EXIT_PEER
+    if isinstance(exc, BadAnswer):
+        return f"gyre: {exc.kind} fault: {exc}", EXIT_PEER
     if isinstance(exc, OSError) and is_disk_full(exc):
         return f"gyre: error: {disk_full_message(exc.filename or '(unnamed file)')}", 1
     if isinstance(exc, FileNotFoundError | FileExistsError | ValueError | CheckpointError):

@@ -42,6 +42,7 @@ from gyre.checkpoint.resume import (
 )
 from gyre.checkpoint.snapshot import seed_everything
 from gyre.config import Config, dump_config, resolve_run_dir
+from gyre.engines.verify import check_rollout_gap
 from gyre.envs import env_factory
 from gyre.errors import ensure_writable_dir
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_device
@@ -252,6 +253,8 @@ def _steps(
         out.log(step, m)
         check_nonfinite(cfg, state["faults"]["nonfinite_streak"], "GRPO", step)
         check_failures(cfg, state["faults"]["failed_episodes"], state["faults"]["episodes"], step)
+        if not cfg.train.source:  # recorded episodes: another sampler's log-probs
+            check_rollout_gap(cfg.faults.max_rollout_logprob_gap, m, trajs, step)
         # 7. checkpoint
         state["step"] = step
         try:

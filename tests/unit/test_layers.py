@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "gyre"
 
 # Lowest first. A top-level module (``loop.py``) is its own unit; a package is one unit.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("types", "errors", "plugins", "_pytool"),  # plain data and the standard library
+    ("types", "errors", "deadlines", "plugins", "_pytool"),  # plain data and the standard library
     ("config", "algos"),  # the typed config; pure tensor math
     ("models",),  # building and loading models
     ("checkpoint",),  # atomic files, snapshots, resume

@@ -170,3 +170,36 @@ def test_a_step_whose_fresh_shares_keep_coming_back_stale_fails_in_one_line():
     with pytest.raises(RuntimeError, match=r"step 3 dropped over 20 stale .*max_staleness=1"):
         s.check_not_starving(3)
     s.check_not_starving(4)  # a new step starts a new count
+
+
+def _resumed(s: ShareScheduler) -> ShareScheduler:
+    """The scheduler a resume builds from a checkpoint's counters (runners/ray.py)."""
+    first = s.finalized // s.tasks_per_share
+    return ShareScheduler(
+        s.tasks_per_step, s.tasks_per_share, s.ahead, s.max_staleness, next_share=first,
+        consumed_share=first, finalized=s.finalized, dropped=s.dropped, filtered=s.filtered,
+    )  # fmt: skip
+
+
+def test_a_resume_after_an_odd_number_of_drops_trains_no_task_twice():
+    """A stale drop leaves the frontier inside a share: the resumed run regenerates that
+    share, and its tasks below the frontier (trained or dropped before the checkpoint) must
+    not come back."""
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=1, max_staleness=0)
+    assert _start_all(s) == [0, 1]
+    _finish(s, 0, 0)
+    _finish(s, 1, 0)
+    batch, _ = s.take_batch(0)  # trains tasks 0, 1 -> version 1
+    assert [g.task for g in batch] == [0, 1]
+    s.buffer.popleft()  # task 2 (version 0) is stale at version 1: dropped as take_batch does
+    s.dropped += 1
+    s.finalized += 1
+    assert s.finalized == 3  # the checkpoint's frontier: tasks 0-2 are done, 3 is buffered
+    r = _resumed(s)
+    assert _start_all(r)[0] == 1  # share 1 (tasks 2, 3) is generated again
+    _finish(r, 1, 1)
+    _start_all(r)
+    _finish(r, 2, 1)
+    batch, _ = r.take_batch(1)
+    assert [g.task for g in batch] == [3, 4]  # task 2 stays dropped: counted once
+    assert r.dropped == 1

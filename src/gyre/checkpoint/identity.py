@@ -30,6 +30,11 @@ RESUME_MAY_CHANGE = (
     "model.path",
     "engine.api_key",  # a secret (written as '***'): rotating it changes nothing
     "engine.api_key_file",
+    "engine.verify_every",  # the sync check only reads the engines
+    "engine.verify_tolerance",
+    "engine.verify_tokens",
+    "ray.address",  # where the cluster is and where Ray keeps its session: not the run
+    "ray.temp_dir",
     "train.steps",
     "eval.",
     "checkpoint.",

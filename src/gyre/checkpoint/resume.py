@@ -282,7 +282,7 @@ class Checkpointer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         url = cfg.checkpoint.dir or str(self.run_dir / "checkpoints")
-        self.store = CheckpointStore(url)
+        self.store = CheckpointStore(url, cfg.checkpoint.upload_timeout_s)
         self.cache = self.run_dir / ".resume_cache"
         self.config = cfg.model_dump(mode="json")
         self.config_hash = config_hash(self.config)

@@ -55,6 +55,7 @@ from gyre.checkpoint.files import (
     write_manifest,
 )
 from gyre.config.loading import ENV_RECORD
+from gyre.deadlines import PeerFault, call_with_deadline
 from gyre.errors import disk_full_message, is_disk_full
 from gyre.models.vision import save_tokenizer
 
@@ -178,8 +179,9 @@ def write_model_dir(
 class CheckpointStore:
     """A checkpoint root on any fsspec filesystem: list, write, verify, fetch, prune."""
 
-    def __init__(self, url: str | Path) -> None:
+    def __init__(self, url: str | Path, upload_timeout_s: float = 1800.0) -> None:
         self.url = str(url)
+        self.upload_timeout_s = upload_timeout_s  # checkpoint.upload_timeout_s
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url)
         except (ImportError, ValueError) as exc:
@@ -249,8 +251,14 @@ class CheckpointStore:
             if self.local:
                 fsync_tree(stage)
                 replace_dir_atomically(stage, Path(self.path(name)))
-            else:
-                self._upload(stage, name)
+            else:  # an object store: no timeout of its own, so a bounded call
+                call_with_deadline(
+                    lambda: self._upload(stage, name), "storage", "checkpoint upload",
+                    self.url_of(name), self.upload_timeout_s, "checkpoint.upload_timeout_s",
+                )  # fmt: skip
+        except PeerFault:
+            cleanup()  # a hung store is a storage fault (exit 69), not a failed write
+            raise
         except BaseException as exc:
             message = _write_failure(exc, f"checkpoint {self.url_of(name)}", stage)
             cleanup()

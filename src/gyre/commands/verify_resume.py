@@ -172,7 +172,7 @@ def _wait(proc: Any, timeout: float) -> int:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=60)  # SIGKILLed: reaped at once
         raise RuntimeError(f"gyre train did not finish within {timeout:.0f}s") from None
 
 

@@ -54,6 +54,22 @@ class EngineConfig(Section):
     )
     sync_every: int = Field(1, gt=0, description="Sync the engines every N policy updates.")
     sync_keep: int = Field(2, ge=1, description="Synced versions kept on disk.")
+    verify_every: int = Field(
+        1,
+        ge=0,
+        description="Sync check: after every Nth weight/adapter sync each engine scores a fixed "
+        "probe sequence (prompt log-probs) and the run stops (exit 3) if it does not serve the "
+        "trainer's new policy; 0 = never (docs/operations.md, 'Sync verification').",
+    )
+    verify_tolerance: float = Field(
+        0.05,
+        gt=0,
+        description="Sync check: largest mean |engine - trainer| log-prob per probe token, in "
+        "nats (fp32 engines agree to ~1e-6; raise it for a bf16 engine against an fp32 trainer).",
+    )
+    verify_tokens: int = Field(
+        64, ge=8, le=4096, description="Sync check: length of the probe sequence in tokens."
+    )
     weight_sync: Literal["memory", "disk", "shared"] = Field(
         "memory",
         description="torch engine only: copy tensors in memory, go through sync_dir files, or "

@@ -62,6 +62,12 @@ class CheckpointConfig(Section):
     on_error: Literal["stop", "continue"] = Field(
         "stop", description="A failed checkpoint write (e.g. disk full): stop the run or go on."
     )
+    upload_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Object stores (checkpoint.dir=s3://...): longest a checkpoint upload may "
+        "take before the run stops with a storage fault (exit 69).",
+    )
 
 
 class FaultsConfig(Section):
@@ -73,6 +79,31 @@ class FaultsConfig(Section):
         ge=0.0,
         le=1.0,
         description="Abort when more than this share of all episodes so far raised in the env.",
+    )
+    call_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="runner=ray: longest wait for one actor call (a rollout share, an update, "
+        "a checkpoint save) before the run stops with a worker/trainer fault (exit 69).",
+    )
+    startup_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="runner=ray: longest wait for start-up (placement group, actors, the "
+        "trainer group's rendezvous and collective init; also each collective's timeout).",
+    )
+    heartbeat_s: float = Field(
+        60.0,
+        ge=0,
+        description="During a long wait on a peer, log 'waiting for <stage> on <peer>' this "
+        "often (seconds); 0 = never.",
+    )
+    max_rollout_logprob_gap: float = Field(
+        0.15,
+        ge=0.0,
+        description="Abort (exit 3) when an on-policy step's train/rollout_logprob_gap (mean "
+        "|trainer - engine| log-prob per sampled token, nats) is over this: the engines do not "
+        "sample the trainer's policy. fp32 engines: ~1e-7; bf16 servers: ~0.01-0.05. 0 = off.",
     )
 
 

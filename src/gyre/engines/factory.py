@@ -68,7 +68,8 @@ def build_engine(
             api=e.api,
         )
     sync_dir = Path(e.sync_dir) if e.sync_dir else run_dir / "sync"
-    return engine, WeightSync(e, engine, tokenizer, sync_dir, cfg.model.lora is not None)
+    lora = cfg.model.lora is not None
+    return engine, WeightSync(e, engine, tokenizer, sync_dir, lora, seed=cfg.run.seed)
 
 
 def initial_sync(
@@ -79,6 +80,7 @@ def initial_sync(
     With LoRA on an SFT warm start the servers first need the SFT weights under the adapter
     (``base_dir``); then the adapter (or the full policy) of ``version`` is pushed.
     """
+    syncer.remember(model, version)  # the sync check's reference (engine.verify_every)
     if syncer.mode != "disk":
         return {}
     if syncer.lora and base_dir is not None and syncer.cfg.kind == "http":

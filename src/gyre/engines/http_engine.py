@@ -20,6 +20,10 @@ Weight sync is through files on a filesystem every server can read (see
 :mod:`gyre.engines.sync`): :meth:`HttpEngine.load_adapter` loads a peft adapter folder under the
 name ``<prefix>-v<version>`` with ``/v1/load_lora_adapter`` and then requests use that name as
 ``model``; :meth:`HttpEngine.load_weights_from_disk` calls ``/update_weights_from_disk``.
+After a sync, :meth:`HttpEngine.prompt_logprobs_each` scores the sync check's probe on every live
+server (:mod:`gyre.engines.verify`); a server that comes back is scored on it before it is put
+back. No live server within the deadline, or a server answering unusably, is an engine fault
+(:class:`NoServerError`, :class:`ServerError`: exit 69, :mod:`gyre.deadlines`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 
+from gyre.deadlines import BadAnswer, PeerFault
 from gyre.engines.base import EngineFeatures
 from gyre.types import Completion, GenerationRequest, SamplingParams
 
@@ -44,12 +49,10 @@ log = logging.getLogger(__name__)
 APIS = ("openai", "sglang")
 
 
-class ServerError(RuntimeError):
-    """A server answered, but not usefully (bad status, malformed body)."""
+class ServerError(BadAnswer):
+    """A server answered, but not usefully (bad status, malformed body): an engine fault."""
 
-
-class NoServerError(RuntimeError):
-    """No server was alive for longer than the request timeout."""
+    kind = "engine"
 
 
 @dataclass
@@ -60,6 +63,16 @@ class ServerState:
     served: int = 0  # completed generation requests
     failures: int = 0
     last_error: str = ""
+
+
+class NoServerError(PeerFault):
+    """No server answered a stage of the run within its deadline: an engine fault (exit 69)
+    naming the stage, every server with its last error, and the time waited."""
+
+    def __init__(self, stage: str, servers: list[ServerState], waited_s: float, key: str) -> None:
+        peers = ", ".join(s.url for s in servers)
+        errors = "; ".join(f"{s.url}: {s.last_error}" for s in servers if s.last_error)
+        super().__init__("engine", stage, peers, waited_s, key, errors)
 
 
 def _httpx() -> Any:
@@ -111,6 +124,7 @@ class HttpEngine:
         self._base_model = model
         self._adapter: tuple[str, str] | None = None  # (served name, path) of the current policy
         self._weights_path: str | None = None  # last full-weight sync folder
+        self.probe: tuple[list[int], list[float], float] | None = None  # the sync check's
         self._cond = threading.Condition()
         self._sync_lock = threading.RLock()  # sync and put-back never interleave
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="gyre-http")
@@ -137,7 +151,13 @@ class HttpEngine:
             self._pool.submit(self._complete, r.prompt_ids, _own_temperature(params, r), i, uris[i])
             for i, r in enumerate(requests)
         ]
-        return [f.result() for f in futures]
+        # Each request ends within (max_retries + 1) attempts of timeout_s plus the wait for a
+        # live server; the bound here only names a hang past that.
+        bound = self.timeout_s * (self.max_retries + 3)
+        try:
+            return [f.result(timeout=bound) for f in futures]
+        except TimeoutError:
+            raise NoServerError("completion", self.servers, bound, "engine.timeout_s") from None
 
     def release(self, sessions: Iterable[Hashable]) -> None:
         """Nothing to free: servers keep their own prefix caches."""
@@ -212,6 +232,58 @@ class HttpEngine:
                 self._weights_path, self._adapter = path, None
             self.version = version
 
+    def prompt_logprobs_each(self, ids: list[int]) -> dict[str, list[float]]:
+        """Each live server's log-probs of the prompt ``ids`` under the current policy (the
+        adapter, if any): the sync check of :mod:`gyre.engines.verify`."""
+        with self._sync_lock:
+            got = {s.url: self._score(s, ids) for s in self.servers if s.alive}
+        return {url: lp for url, lp in got.items() if lp is not None}
+
+    def _score(self, s: ServerState, ids: list[int]) -> list[float] | None:
+        """``ids``' prompt log-probs on server ``s`` (None: it did not answer, taken out)."""
+        from gyre.engines import verify
+
+        try:
+            if self.api == "sglang":
+                body = verify.sglang_probe_body(ids, self._adapter[0] if self._adapter else None)
+                r = self._client.post(f"{s.url}/generate", json=body)
+                parse = verify.parse_sglang_prompt_logprobs
+            else:
+                body = verify.openai_probe_body(ids, self.model_name)
+                r = self._client.post(f"{s.url}/v1/completions", json=body)
+                parse = verify.parse_openai_prompt_logprobs
+        except self._httpx.TransportError as exc:
+            self._take_out(s, f"sync check: {exc!r}")
+            return None
+        if r.status_code != 200:
+            raise ServerError(f"{s.url} refused the sync check: {_error_text(r)}")
+        try:
+            return parse(r.json(), ids)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ServerError(f"{s.url} answered the sync check without prompt log-probs: "
+                              f"{exc}") from exc  # fmt: skip
+
+    def _serves_policy(self, s: ServerState) -> bool:
+        """A server coming back serves the last checked policy (``self.probe``, set by the sync
+        check: probe ids, the trainer's log-probs, the tolerance); else it stays out."""
+        if self.probe is None:
+            return True
+        from gyre.engines.verify import mean_gap
+
+        ids, want, tol = self.probe
+        got = self._score(s, ids)
+        if got is None:
+            return False
+        gap = mean_gap(got, want)
+        if gap > tol:
+            s.last_error = (
+                f"came back serving log-probs {gap:.4g} nats/token away from policy version "
+                f"{self.version} (engine.verify_tolerance={tol:g})"
+            )
+            log.warning("gyre: server %s kept out: %s", s.url, s.last_error)
+            return False
+        return True
+
     def _lora_route(self, verb: str) -> str:
         # vLLM: /v1/load_lora_adapter; SGLang: /load_lora_adapter (same bodies)
         return f"/v1/{verb}_lora_adapter" if self.api == "openai" else f"/{verb}_lora_adapter"
@@ -278,7 +350,9 @@ class HttpEngine:
                 except self._httpx.TransportError as exc:
                     self._take_out(s, repr(exc))
             self._wait_for_server(deadline)
-        raise NoServerError(f"no server answered /v1/models within {self.timeout_s}s")
+        raise NoServerError(
+            "start-up (GET /v1/models)", self.servers, self.timeout_s, "engine.timeout_s"
+        )
 
     # -- one request ------------------------------------------------------------------------
     def _body(
@@ -348,10 +422,10 @@ class HttpEngine:
             with self._cond:
                 self.stats["retries"] += 1
             if attempts > self.max_retries:
-                raise NoServerError(
-                    f"a completion failed {attempts} times; last errors: "
-                    + "; ".join(f"{x.url}: {x.last_error}" for x in self.servers if x.last_error)
-                )
+                waited = time.monotonic() - deadline + self.timeout_s
+                key = f"engine.max_retries={self.max_retries}, engine.timeout_s={self.timeout_s:g}"
+                raise NoServerError(f"completion (failed {attempts} times)", self.servers,
+                                    waited, key)  # fmt: skip
 
     def _pick(self, deadline: float) -> ServerState:
         with self._cond:
@@ -365,10 +439,9 @@ class HttpEngine:
                     return s
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NoServerError(
-                        f"no live server for {self.timeout_s}s: "
-                        + "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
-                    )
+                    key = f"engine.timeout_s={self.timeout_s:g}"
+                    raise NoServerError("completion (no live server)", self.servers,
+                                        self.timeout_s, key)  # fmt: skip
                 self._cond.wait(min(left, self.health_interval_s))
 
     def _wait_for_server(self, deadline: float) -> None:
@@ -417,6 +490,8 @@ class HttpEngine:
                 if self.api != "openai" or name not in self._list_models(s):
                     if not self._push_adapter(s, name, path, None):
                         return
+            if not self._serves_policy(s):
+                return
             with self._cond:
                 s.alive = True
                 s.last_error = ""

@@ -55,11 +55,13 @@ from typing import Any
 
 import gyre.rewards._cgroup as _cgroup
 from gyre.config import SandboxConfig
+from gyre.deadlines import PeerFault
 from gyre.rewards.errors import SandboxUnavailableError
 
 log = logging.getLogger("gyre.rewards")
 
 STARTUP_TIMEOUT_S = 60.0
+_SPAWN_S = STARTUP_TIMEOUT_S + 10.0  # slack beyond a call's timeout: a fresh worker's start
 ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "TMPDIR", "TZ")
 WORKER_ARGS = ["-m", "gyre.rewards._worker"]  # after sys.executable
 MAX_REPLY_BYTES = 64 * 1024 * 1024
@@ -241,7 +243,11 @@ class _Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             self.proc.kill()
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout=_SPAWN_S)  # SIGKILLed: only a kernel-stuck process stays
+        except subprocess.TimeoutExpired:
+            raise PeerFault("reward worker", "killing a worker", f"pid {self.proc.pid}",
+                            _SPAWN_S, "reward.sandbox.timeout_s") from None  # fmt: skip
         for f in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(Exception):
                 f.close()  # type: ignore[union-attr]
@@ -335,7 +341,14 @@ class SandboxPool:
         return w
 
     def _run_one(self, request: dict[str, Any]) -> CallResult:
-        w = self._idle.get()
+        wait_s = self.cfg.timeout_s + _SPAWN_S
+        try:
+            w = self._idle.get(timeout=wait_s)
+        except queue.Empty:
+            stage = "reward (waiting for a free worker)"
+            raise PeerFault(
+                "reward worker", stage, "the sandbox pool", wait_s, "reward.sandbox.timeout_s"
+            ) from None
         try:
             if w is None or not w.alive:
                 if w is not None:
@@ -358,7 +371,15 @@ class SandboxPool:
 
     def map(self, requests: Sequence[dict[str, Any]]) -> list[CallResult]:
         """Run every request (one sample each) on the pool; results in request order."""
-        return list(self._executor.map(self._run_one, requests))
+        # Each call ends within timeout_s (then its worker is killed and replaced); the pool
+        # runs `workers` at a time. Past that bound something below the calls is wedged.
+        rounds = -(-len(requests) // max(self.cfg.workers, 1)) + 1
+        bound = rounds * (self.cfg.timeout_s + _SPAWN_S)
+        try:
+            return list(self._executor.map(self._run_one, requests, timeout=bound))
+        except TimeoutError:
+            raise PeerFault("reward worker", "reward", "the sandbox pool", bound,
+                            "reward.sandbox.timeout_s") from None  # fmt: skip
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gyre.checkpoint.resume import Checkpointer
-from gyre.checkpoint.store import write_model_dir
+from gyre.checkpoint.store import fault_point, write_model_dir
 from gyre.config import Config
 from gyre.engines.factory import initial_sync
 from gyre.engines.sync import WeightSync
@@ -89,7 +89,8 @@ class RolloutWorker:
 
         t0 = time.perf_counter()
         w = weights[0]
-        state = w if isinstance(w, (dict, str)) else ray.get(w)
+        timeout = self.cfg.faults.call_timeout_s  # an object-store fetch (exit 69 past it)
+        state = w if isinstance(w, (dict, str)) else ray.get(w, timeout=timeout)
         self.load_weights(state, version)
         return time.perf_counter() - t0
 
@@ -99,6 +100,7 @@ class RolloutWorker:
         """Play and score ``share``, first loading ``weights`` of ``version`` if the engine is
         older: the weight sync rides on the rollout call."""
         t_call, cpu_call = time.perf_counter(), time.process_time()
+        fault_point("rollout.share")  # tests: GYRE_FAULT=rollout.share:pause=... (wedged actor)
         load_s = self._catch_up(weights, version)
         m: dict[str, float] = {}
         trajs, stats = self.rollout.play(share.first_task, share.num_tasks, share.seed, m, step)

@@ -48,12 +48,14 @@ import torch
 from gyre.checkpoint.resume import Checkpointer, ResumePlan
 from gyre.checkpoint.store import list_checkpoints
 from gyre.config import Config, tasks_per_share
+from gyre.deadlines import PeerFault
 from gyre.loop import RolledBack
 from gyre.loop import train as loop_train
 from gyre.rewards.contract import reward_metrics
 from gyre.rollout.core import rollout_seed
 from gyre.rollout.dapo import has_reward_variance
 from gyre.runners.actors import RolloutWorker, TrainerRank
+from gyre.runners.bounded import Waits
 from gyre.runners.placement import (
     actor_prefix,
     combine_ranks,
@@ -82,9 +84,9 @@ class TrainerGroupFailed(RuntimeError):
     """A trainer rank died; the group restarts from the latest checkpoint."""
 
 
-def _trainer_get(refs: Any) -> Any:
+def _trainer_get(waits: Waits, refs: Any, stage: str) -> Any:
     try:
-        return ray.get(refs)
+        return waits.get(refs, "trainer", stage, "the trainer group")
     except _DIED as exc:
         raise TrainerGroupFailed(str(exc)) from exc
 
@@ -100,7 +102,15 @@ def connect_ray(cfg: Config) -> bool:
         kwargs["include_dashboard"] = False
         if cfg.ray.temp_dir:
             kwargs["_temp_dir"] = str(Path(cfg.ray.temp_dir).resolve())
-    ray.init(address=address, **kwargs)
+    t0 = time.monotonic()
+    try:
+        ray.init(address=address, **kwargs)
+    except (ValueError, ImportError):
+        raise  # a bad address or missing package: the user's to fix, said as it is
+    except Exception as exc:  # a raylet or GCS that did not start in time: a bare Exception
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PeerFault("worker", "Ray start-up", f"the Ray cluster at {address}",
+                        time.monotonic() - t0, "ray.address", first) from exc  # fmt: skip
     return True
 
 
@@ -111,6 +121,7 @@ class RayPlacement:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.waits = Waits(cfg.faults)
         self.owned = False
         self.pg: Any = None
         self.workers: list[Any] = []
@@ -154,7 +165,7 @@ class RayPlacement:
         self.prefix = actor_prefix(cfg)
         bundles, self.rollout_bundle, self.trainer_bundle = placement_bundles(cfg)
         self.pg = placement_group(bundles, strategy=r.placement_strategy)
-        ready, _ = ray.wait([self.pg.ready()], timeout=120)
+        ready, _ = ray.wait([self.pg.ready()], timeout=cfg.faults.startup_timeout_s)
         if not ready:
             remove_placement_group(self.pg)
             self.pg = None
@@ -240,8 +251,11 @@ class RayPlacement:
             )
             for rank in range(M)
         ]  # fmt: skip
-        host, port = ray.get(self.trainers[0].rendezvous.remote())
-        ray.get([t.init_group.remote(host, port) for t in self.trainers])
+        peer = "the trainer group"
+        rdv = self.trainers[0].rendezvous.remote()
+        host, port = self.waits.get(rdv, "trainer", "rendezvous", peer, startup=True)
+        inits = [t.init_group.remote(host, port) for t in self.trainers]
+        self.waits.get(inits, "collective", "process group init", peer, startup=True)
 
     def _scheduler(self, finalized: int, dropped: int, filtered: int = 0) -> ShareScheduler:
         first = finalized // self.share_size
@@ -302,9 +316,11 @@ class RayPlacement:
             "rollout": cfg.run.threads or max(1, int(cfg.ray.rollout.num_cpus)),
             "trainer": cfg.run.threads or max(1, int(cfg.ray.trainer.num_cpus)),
         }
+        workers = [w.threads.remote() for w in self.workers]
+        trainers = [t.threads.remote() for t in self.trainers]
         got = {
-            "rollout": ray.get([w.threads.remote() for w in self.workers]),
-            "trainer": _trainer_get([t.threads.remote() for t in self.trainers]),
+            "rollout": self.waits.get(workers, "worker", "start-up", "the rollout workers", True),
+            "trainer": _trainer_get(self.waits, trainers, "start-up"),
         }
         for role, threads in got.items():
             if any(n != want[role] for n in threads):
@@ -324,13 +340,13 @@ class RayPlacement:
             refs = [
                 t.get_weights.options(num_returns=2).remote(self.version) for t in self.trainers
             ]
-            _trainer_get([b for _, b in refs])  # FSDP2: every rank takes part in the gather
+            _trainer_get(self.waits, [b for _, b in refs], "weight gather")  # FSDP2: all ranks
             weights, nbytes = refs[0]
         else:
             weights, nbytes = (
                 self.trainers[0].get_weights.options(num_returns=2).remote(self.version)
             )
-        sent = float(_trainer_get(nbytes))
+        sent = float(_trainer_get(self.waits, nbytes, "weight gather"))
         self.weights_ref = weights
         loads = {
             i: w.load_weights.remote(weights, self.version) for i, w in enumerate(self.workers)
@@ -338,7 +354,7 @@ class RayPlacement:
         if wait:  # sync / colocated: engines must hold the new version before generating
             for i, ref in loads.items():
                 try:
-                    ray.get(ref)
+                    self.waits.get(ref, "worker", "weight load", f"rollout worker {i}")
                 except _DIED as exc:
                     self._replace_worker(i, exc)
         return sent
@@ -363,11 +379,12 @@ class RayPlacement:
                 f"ray runner: the batch needs groups but no rollout share is in flight "
                 f"(scheduler: {self.sched.describe()}); please report this with the config"
             )
-        ready, _ = ray.wait(list(self.pending), num_returns=1)
+        busy = ", ".join(str(i) for i, _, _ in self.pending.values())
+        ready = self.waits.any(list(self.pending), "worker", "rollout", f"rollout workers {busy}")
         for ref in ready:
             i, s, epoch = self.pending.pop(ref)
             try:
-                res = ray.get(ref)
+                res = ray.get(ref, timeout=self.cfg.faults.call_timeout_s)  # ready already
             except _DIED as exc:
                 self._replace_worker(i, exc)
                 if epoch == self.epoch:
@@ -426,7 +443,8 @@ class RayPlacement:
         per = len(groups) // M
         shards = [[t for g in groups[r * per : (r + 1) * per] for t in g.trajs] for r in range(M)]
         if self.cfg.ray.placement == "colocated":
-            ray.get([w.release_memory.remote() for w in self.workers])
+            refs = [w.release_memory.remote() for w in self.workers]
+            self.waits.get(refs, "worker", "release memory", "the rollout workers")
         gather_all = gathers_on_every_rank(self.cfg)
         metric_refs, weights = [], None
         try:
@@ -437,7 +455,7 @@ class RayPlacement:
                 else:
                     m_ref = t.update.remote(step, shard)
                 metric_refs.append(m_ref)
-            m = combine_ranks(_trainer_get(metric_refs))
+            m = combine_ranks(_trainer_get(self.waits, metric_refs, f"update of step {step}"))
         except TrainerGroupFailed as exc:
             self._restart_trainers(exc)  # raises RolledBack: back to the latest checkpoint
         self.weights_ref = weights
@@ -483,7 +501,8 @@ class RayPlacement:
         for _ in range(3):
             i = min(self.idle) if self.idle else 0
             try:
-                return ray.get(self.workers[i].evaluate.remote(self._boxed(), self.version))
+                ref = self.workers[i].evaluate.remote(self._boxed(), self.version)
+                return self.waits.get(ref, "worker", "evaluation", f"rollout worker {i}")
             except _DIED as exc:
                 self._replace_worker(i, exc)
         raise RuntimeError("evaluation failed on three rollout workers in a row")
@@ -500,6 +519,7 @@ class RayPlacement:
                             "policy_version": t.policy_version,
                             "staleness": step - 1 - t.policy_version,
                             "reward": t.reward,
+                            "response_tokens": t.num_generated,
                         }
                         f.write(json.dumps(row) + "\n")
 
@@ -517,13 +537,14 @@ class RayPlacement:
         """Rank 0 writes the usual checkpoint on the run directory (shared storage on a
         multi-node cluster)."""
         try:
-            return _trainer_get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
+            ref = self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep)
+            return _trainer_get(self.waits, ref, f"checkpoint of step {step}")
         except TrainerGroupFailed as exc:
             self._restart_trainers(exc)
             raise  # not reached: _restart_trainers raises RolledBack
 
     def write_final(self, out_dir: Path) -> None:
-        _trainer_get(self.trainers[0].save_final.remote(str(out_dir)))
+        _trainer_get(self.waits, self.trainers[0].save_final.remote(str(out_dir)), "write final/")
 
     def summary(self) -> dict[str, Any]:
         return {"runner": "ray", **getattr(self, "counters", {})}

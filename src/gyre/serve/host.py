@@ -26,6 +26,7 @@ import torch
 
 from gyre.checkpoint.files import MANIFEST_FILE, verify_dir
 from gyre.engines.torch_engine import TorchEngine
+from gyre.engines.verify import PromptToken, prompt_table
 from gyre.models.build import load_pretrained
 from gyre.models.vision import checkpoint_state, vision_of
 from gyre.serve.requests import ApiError, Vocab
@@ -140,6 +141,18 @@ class ModelHost:
                 return self.engine.generate(reqs, params)
             model.set_adapter(model_name)
             return self.engine.generate(reqs, params)
+
+    def prompt_logprobs(self, model_name: str, ids: list[int], k: int) -> list[PromptToken]:
+        """The log-probs of a prompt's tokens under ``model_name`` (base or adapter)."""
+        with self._lock:
+            model = self.engine.model
+            if model_name != self.served_name:
+                model.set_adapter(model_name)
+                return prompt_table(model, ids, k)
+            if self.adapters:
+                with model.disable_adapter():
+                    return prompt_table(model, ids, k)
+            return prompt_table(model, ids, k)
 
     def load_lora(self, name: str, path: str) -> None:
         from gyre.models.lora import ADAPTER_CONFIG, is_adapter_dir, load_adapter_into

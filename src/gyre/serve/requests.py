@@ -94,6 +94,7 @@ class CompletionBody(_Body):
     top_p: TopP | None = 1.0
     n: int = Field(1, ge=1, le=128)
     logprobs: TopK | None = None
+    prompt_logprobs: TopK | None = None  # vLLM's: the prompt tokens' own log-probs
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: Seed | None = None
@@ -185,6 +186,7 @@ class GenerateBody(_Body):
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     return_logprob: bool = False
     top_logprobs_num: TopK = 0
+    logprob_start_len: int = Field(-1, ge=-1)  # >= 0: the prompt's log-probs from there
     lora_path: str | None = None
     stream: bool = False
     # the prompt's images as data:image/...;base64,... URIs, one per placeholder, in order

@@ -7,6 +7,9 @@ three:
   ``logprobs: k`` returns the sampled token's logprob (+ the k best), ``return_token_ids: true``
   adds ``token_ids`` / ``prompt_token_ids`` to each choice, ``return_tokens_as_token_ids: true``
   writes tokens as ``"token_id:N"`` (vLLM's fields); ``stop_token_ids`` and ``seed`` as in vLLM.
+  ``prompt_logprobs: k`` adds each prompt token's log-prob (vLLM's field; the sync check reads
+  it, as it reads SGLang's ``logprob_start_len`` on ``/generate``:
+  :mod:`gyre.serve.prompt_logprobs`).
 - ``POST /v1/chat/completions`` with ``logprobs`` / ``top_logprobs``; for a VLM, ``image_url``
   parts (data URIs) and SGLang's ``/generate`` with ``image_data`` (:mod:`~gyre.serve.images`).
 - ``GET /v1/models``, ``GET /health``.
@@ -44,6 +47,7 @@ from pydantic import BaseModel, ValidationError
 from gyre.models.build import resolve_device
 from gyre.serve.host import Batcher, ModelHost
 from gyre.serve.images import chat_ids, generate_ids
+from gyre.serve.prompt_logprobs import sglang_input_logprobs, vllm_prompt_logprobs
 from gyre.serve.recorder import (
     Recorder,
     add_recorder_args,
@@ -349,7 +353,15 @@ def _generation_routes(
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Any:
         body, model, reqs, outs = await run(request, CompletionBody, _prepare_completion)
-        return await batcher.run_in_prep(completion_answer, host.vocab, model, body, reqs, outs)
+        answer = await batcher.run_in_prep(completion_answer, host.vocab, model, body, reqs, outs)
+        if body.prompt_logprobs is not None:
+            for choice, req in zip(answer["choices"], reqs, strict=True):
+                args = (model, req.prompt_ids, body.prompt_logprobs)
+                table = await batcher.run_in_engine(host.prompt_logprobs, *args)
+                choice["prompt_logprobs"] = await batcher.run_in_prep(
+                    vllm_prompt_logprobs, host.tokenizer, req.prompt_ids, table
+                )
+        return answer
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request) -> Any:
@@ -366,9 +378,15 @@ def _generation_routes(
     @app.post("/generate", dependencies=auth)
     async def generate(request: Request) -> Any:
         """SGLang's native generate: token ids in, ``output_ids`` + per-token logprobs out."""
-        body, _, reqs, outs = await run(request, GenerateBody, _prepare_generate)
+        body, model, reqs, outs = await run(request, GenerateBody, _prepare_generate)
         prompt = reqs[0].prompt_ids
-        return await batcher.run_in_prep(generate_answer, host.vocab, body, prompt, outs[0])
+        answer = await batcher.run_in_prep(generate_answer, host.vocab, body, prompt, outs[0])
+        if body.return_logprob and body.logprob_start_len >= 0:
+            k = body.top_logprobs_num
+            table = await batcher.run_in_engine(host.prompt_logprobs, model, prompt, k)
+            start = min(body.logprob_start_len, len(prompt))
+            answer["meta_info"].update(sglang_input_logprobs(prompt, table, start, k > 0))
+        return answer
 
 
 def create_app(

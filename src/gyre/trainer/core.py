@@ -257,7 +257,11 @@ def _join_group(
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=init, rank=rank, world_size=size, timeout=timedelta(minutes=10)
+        backend,
+        init_method=init,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=cfg.faults.startup_timeout_s),  # also each collective's bound
     )
     strategy = cfg.ray.strategy
     if strategy == "auto":

@@ -1,0 +1,67 @@
+"""Faults of the Ray runner on a local Ray cluster (slow: GYRE_SLOW=1; run by hand).
+
+A rollout worker that is alive but never returns (``GYRE_FAULT=rollout.share:pause=...``: every
+share hangs) must end the run within ``faults.call_timeout_s`` as a named worker fault, exit 69,
+not hang: Ray only reports actors that died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from gyre.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.intermediate_size=64",
+    "log.console=off",
+    "run.threads=1",
+    "sft.steps=0",
+    "train.steps=2",
+    "train.tasks_per_step=2",
+    "train.group_size=2",
+    "eval.episodes=0",
+    "checkpoint.every=0",
+    "train.level_replay.prob=0",
+    "runner=ray",
+    "ray.rollout_workers=1",
+    "ray.rollout.num_cpus=0.5",
+    "ray.trainer.num_cpus=0.5",
+    "ray.num_cpus=2",
+]
+
+
+def test_a_wedged_rollout_actor_ends_the_run_as_a_named_worker_fault(tmp_path, capsys, caplog):
+    caplog.set_level(logging.WARNING, logger="gyre.deadlines")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    marker = tmp_path / "wedged"
+    os.environ["GYRE_FAULT"] = f"rollout.share:pause=3600:{marker}"
+    try:
+        t0 = time.monotonic()
+        short = tempfile.mkdtemp(prefix="gyr")  # Ray's socket paths must stay short
+        rc = main(["train", *TINY, f"run.dir={tmp_path / 'run'}", f"ray.temp_dir={short}",
+                   "faults.call_timeout_s=20", "faults.heartbeat_s=5"])  # fmt: skip
+        took = time.monotonic() - t0
+    finally:
+        del os.environ["GYRE_FAULT"]
+        if ray.is_initialized():
+            ray.shutdown()
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("gyre:")][-1]
+    assert rc == 69, err[-2000:]
+    assert marker.exists()  # the share did reach the worker and hang there
+    assert line.startswith("gyre: worker fault: rollout: no answer from rollout workers 0 for 2")
+    assert "(faults.call_timeout_s=20)" in line
+    assert "waiting for rollout on rollout workers 0: 5 s of 20 s" in caplog.text  # heartbeat
+    assert took < 20 + 120  # the deadline plus start-up and shutdown
