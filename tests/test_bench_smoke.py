@@ -134,3 +134,12 @@ def test_agent_bench_quick() -> None:
         assert report[side]["tok_s"] > 0 and report[side]["generated_tokens"] > 0, side
         assert report[side]["turns"] >= 2 * 2 * 2, side  # E=2 x G=2 episodes x 2 user turns
     assert report["ratio_message_vs_raw"] > 0 and report["ratio_message_vs_hf_naive"] > 0
+
+
+def test_roofline_bench_quick() -> None:
+    report = _last_json(BENCH.parent / "roofline.py", "--quick", timeout=300)
+    assert report["bench"] == "roofline" and report["matmul_gflop_s"] > 0
+    dec, upd = report["decode"], report["update"]
+    assert dec["rows"] == 8 and dec["step_ms"] > 0 and dec["bound"] in ("compute", "memory")
+    assert 0 < dec["of_bound"] and 0 < upd["of_matmul_rate"]
+    assert upd["flop"] > upd["attention_flop"] > 0
