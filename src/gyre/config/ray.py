@@ -19,6 +19,23 @@ class RoleResources(_Section):
     num_gpus: float = Field(
         0.0, ge=0, description="GPUs one actor of this role reserves (fractions share a GPU)."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources one actor of this role reserves, e.g. {gyre_rollout: 1}: "
+        "its bundle is placed only on nodes started with that resource (ray start --resources="
+        "'{\"gyre_rollout\": 4}'), which pins the role to those nodes.",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _check_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, amount in v.items():
+            if name in ("CPU", "GPU", "memory") or amount <= 0:
+                raise ValueError(
+                    f"'{name}: {amount}': custom resources are positive amounts of names other "
+                    "than CPU, GPU and memory (use num_cpus / num_gpus for those)"
+                )
+        return v
 
 
 class RayConfig(_Section):
@@ -75,6 +92,24 @@ class RayConfig(_Section):
     )
     max_trainer_restarts: int = Field(
         2, ge=0, description="Trainer-group restarts from the latest checkpoint before failing."
+    )
+    health_check_period_s: float = Field(
+        3.0,
+        gt=0,
+        description="Seconds between Ray's health checks of a node (a local cluster gyre starts; "
+        "a joined cluster uses its head's --system-config).",
+    )
+    health_check_failures: int = Field(
+        5,
+        gt=0,
+        description="Missed health checks after which Ray declares a node dead: a node that "
+        "stops answering is lost within health_check_period_s x this.",
+    )
+    replacement_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a replacement actor may wait for room (e.g. a replacement node "
+        "with the role's resources to join) before the run stops with one line.",
     )
 
     @field_validator("address")

@@ -54,6 +54,7 @@ from gyre.rewards.contract import reward_metrics
 from gyre.rollout.core import rollout_seed
 from gyre.rollout.dapo import has_reward_variance
 from gyre.runners.actors import RolloutWorker, TrainerRank
+from gyre.runners.nodes import NodeWatch, health_system_config, lost_deadline_s
 from gyre.runners.placement import (
     actor_prefix,
     combine_ranks,
@@ -98,6 +99,7 @@ def connect_ray(cfg: Config) -> bool:
     if address == "local":
         kwargs["num_cpus"] = cfg.ray.num_cpus or None
         kwargs["include_dashboard"] = False
+        kwargs["_system_config"] = health_system_config(cfg)  # the node-lost deadline
         if cfg.ray.temp_dir:
             kwargs["_temp_dir"] = str(Path(cfg.ray.temp_dir).resolve())
     ray.init(address=address, **kwargs)
@@ -171,7 +173,9 @@ class RayPlacement:
             "recovery/rollout_restarts": 0,
             "recovery/trainer_restarts": 0,
             "recovery/reissued_shares": 0,
+            "recovery/lost_nodes": 0,
         }
+        self.nodes = NodeWatch(ray, lost_deadline_s(cfg))
         self.epoch = 0  # bumped on a trainer restart: in-flight work of older epochs is ignored
         self.pending: dict[Any, tuple[int, int, int]] = {}  # ref -> (worker, share, epoch)
         self.traj_log = run_dir / "trajectories.jsonl"
@@ -217,11 +221,21 @@ class RayPlacement:
             raise RuntimeError(f"{what} {n} times (ray.max_{role}_restarts={limit})") from why
         return n
 
+    def _note_lost_nodes(self) -> None:
+        for line in self.nodes.newly_lost():
+            self.out.message(line)
+            self.counters["recovery/lost_nodes"] += 1
+
     def _replace_worker(self, i: int, why: BaseException) -> None:
         self._count_restart("rollout", "rollout workers died", why)
+        self._note_lost_nodes()
         self.out.message(f"rollout worker {i} died ({type(why).__name__}); starting a replacement")
         ray.kill(self.workers[i], no_restart=True)
         self.workers[i] = self._new_worker(i)
+        self.nodes.wait_placed(  # its bundle may wait for a replacement node to join
+            self.workers[i].pid.remote(), f"replacement rollout worker {i}",
+            self.cfg.ray.replacement_wait_s,
+        )  # fmt: skip
         if self.weights_ref is not None:
             self.workers[i].load_weights.remote(self.weights_ref, self.version)
 
@@ -240,8 +254,13 @@ class RayPlacement:
             )
             for rank in range(M)
         ]  # fmt: skip
-        host, port = ray.get(self.trainers[0].rendezvous.remote())
-        ray.get([t.init_group.remote(host, port) for t in self.trainers])
+        host, port = self.nodes.wait_placed(
+            self.trainers[0].rendezvous.remote(), "trainer rank 0", r.replacement_wait_s
+        )
+        self.nodes.wait_placed(
+            [t.init_group.remote(host, port) for t in self.trainers], "the trainer group",
+            r.replacement_wait_s,
+        )  # fmt: skip
 
     def _scheduler(self, finalized: int, dropped: int, filtered: int = 0) -> ShareScheduler:
         first = finalized // self.share_size
@@ -281,6 +300,7 @@ class RayPlacement:
         """A trainer rank died: restart the group from the latest checkpoint and make the loop
         continue from there (:class:`gyre.loop.RolledBack`)."""
         n = self._count_restart("trainer", "the trainer group failed", why)
+        self._note_lost_nodes()
         for t in self.trainers:
             ray.kill(t, no_restart=True)
         found = list_checkpoints(self.run_dir)
@@ -516,14 +536,17 @@ class RayPlacement:
     def save(self, step: int, state: dict[str, Any]) -> str | None:
         """Rank 0 writes the usual checkpoint on the run directory (shared storage on a
         multi-node cluster)."""
-        try:
-            return _trainer_get(self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep))
+        keep = self.cfg.checkpoint.keep
+        every = self.trainers if gathers_on_every_rank(self.cfg) else self.trainers[:1]
+        try:  # FSDP2: every rank joins the gather of the whole model, rank 0 writes it
+            return _trainer_get([t.save.remote(step, state, keep) for t in every])[0]
         except TrainerGroupFailed as exc:
             self._restart_trainers(exc)
             raise  # not reached: _restart_trainers raises RolledBack
 
     def write_final(self, out_dir: Path) -> None:
-        _trainer_get(self.trainers[0].save_final.remote(str(out_dir)))
+        every = self.trainers if gathers_on_every_rank(self.cfg) else self.trainers[:1]
+        _trainer_get([t.save_final.remote(str(out_dir)) for t in every])
 
     def summary(self) -> dict[str, Any]:
         return {"runner": "ray", **getattr(self, "counters", {})}
