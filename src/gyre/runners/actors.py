@@ -235,7 +235,12 @@ class TrainerRank:
         return self.trainer.save(ckpt, step, state, run_dir / "metrics.jsonl")
 
     def save_final(self, out_dir: str) -> None:
+        """The final model; under FSDP2 a collective (every rank gathers, rank 0 writes)."""
         assert self.trainer is not None
-        write_model_dir(
-            Path(out_dir), self.trainer.model, self.trainer.tokenizer, trained_on(self.cfg)
-        )
+        model: torch.nn.Module | None = self.trainer.model
+        if hasattr(self.trainer.comm, "mirror"):
+            from gyre.trainer.fsdp_checkpoint import gathered_model
+
+            model = gathered_model(self.trainer)
+        if model is not None:
+            write_model_dir(Path(out_dir), model, self.trainer.tokenizer, trained_on(self.cfg))
