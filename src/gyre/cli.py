@@ -102,6 +102,7 @@ def _add_submit(sub: Any) -> None:
         "submit",
         help=text,
         description=text + ".",
+        allow_abbrev=False,  # `--token X` must not pass for --token-file: no token in argv
         epilog=_KEYS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -118,17 +119,27 @@ def _add_submit(sub: Any) -> None:
     )
     p.add_argument("--python", default="python", help="interpreter on the cluster")
     p.add_argument("--no-follow", action="store_true", help="return after submitting")
+    p.add_argument(
+        "--token-file",
+        help="file holding the cluster's Ray auth token (else RAY_AUTH_TOKEN, "
+        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)",
+    )
 
 
 def _submit(ns: argparse.Namespace) -> int:
-    from gyre.runners.submit import submit
+    from gyre.runners.submit import SubmitError, submit
 
     args = list(ns.args)
     config = args.pop(0) if args and "=" not in args[0] else None
     env = dict(e.split("=", 1) for e in ns.env)
-    job_id, status = submit(
-        ns.address, config, args, ns.working_dir, not ns.no_follow, ns.pip, env, ns.python
-    )
+    try:
+        job_id, status = submit(
+            ns.address, config, args, ns.working_dir, not ns.no_follow, ns.pip, env, ns.python,
+            ns.token_file,
+        )  # fmt: skip
+    except SubmitError as exc:
+        print(f"gyre submit: {exc}", file=sys.stderr)
+        return 2
     print(f"job {job_id}: {status}")
     return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
 
