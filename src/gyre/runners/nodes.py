@@ -10,11 +10,15 @@ stops answering is therefore ``period x failures`` (:func:`lost_deadline_s`).
 :class:`NodeWatch` remembers the nodes alive at start-up; after an actor failure it names the
 nodes Ray has since declared dead, in one line each, and counts them (``recovery/lost_nodes``).
 A replacement actor whose bundle has no node left (e.g. the lost node held the only
-``gyre_rollout`` resource) waits for a replacement node for at most ``ray.replacement_wait_s``.
+``gyre_rollout`` resource) waits for a replacement node for at most ``ray.replacement_wait_s``
+(:meth:`NodeWatch.place`); one placed on a node that was dying but not yet declared dead is
+started again.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from gyre.config import Config
@@ -69,6 +73,35 @@ class NodeWatch:
                     "ray.health_check_failures)"
                 )
         return lines
+
+    def place(
+        self,
+        start: Callable[[int], list[Any]],
+        probe: Callable[[list[Any], float], None],
+        what: str,
+        timeout_s: float,
+        died: tuple[type[BaseException], ...],
+    ) -> list[Any]:
+        """``start(attempt)`` actors and ``probe(actors, seconds_left)`` (their first calls,
+        bounded by :meth:`wait_placed`); actors that die before answering -- placed on a node
+        that is being lost -- are killed and started again until ``timeout_s`` has passed."""
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            actors = start(attempt)
+            try:
+                probe(actors, max(1.0, deadline - time.monotonic()))
+                return actors
+            except died as exc:
+                for a in actors:
+                    self.ray.kill(a, no_restart=True)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{what}: died on start-up for {timeout_s:g} s "
+                        f"(ray.replacement_wait_s): {type(exc).__name__}"
+                    ) from None
+                attempt += 1
+                time.sleep(0.5)
 
     def wait_placed(self, ref: Any, what: str, timeout_s: float) -> Any:
         """``ray.get(ref)`` on a fresh actor's first call, bounded: it waits for a node with room

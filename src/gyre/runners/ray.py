@@ -231,36 +231,43 @@ class RayPlacement:
         self._note_lost_nodes()
         self.out.message(f"rollout worker {i} died ({type(why).__name__}); starting a replacement")
         ray.kill(self.workers[i], no_restart=True)
-        self.workers[i] = self._new_worker(i)
-        self.nodes.wait_placed(  # its bundle may wait for a replacement node to join
-            self.workers[i].pid.remote(), f"replacement rollout worker {i}",
-            self.cfg.ray.replacement_wait_s,
-        )  # fmt: skip
+        what = f"replacement rollout worker {i}"
+        self.workers[i] = self.nodes.place(  # its bundle may wait for a replacement node
+            lambda _: [self._new_worker(i)],
+            lambda a, left: self.nodes.wait_placed(a[0].pid.remote(), what, left),
+            what, self.cfg.ray.replacement_wait_s, _DIED,
+        )[0]  # fmt: skip
+        self._note_lost_nodes()
         if self.weights_ref is not None:
             self.workers[i].load_weights.remote(self.weights_ref, self.version)
 
     def _start_trainers(self, policy_path: Path, checkpoint: Path | None) -> None:
         r = self.cfg.ray
         M = r.trainer_ranks
-        self.trainers = [
-            self.trainer_cls.options(
-                name=f"{self.prefix}-trainer-{rank}-e{self.epoch}", num_cpus=r.trainer.num_cpus,
-                num_gpus=r.trainer.num_gpus, max_restarts=0,
-                scheduling_strategy=self._strategy(self.trainer_bundle[rank]),
-                runtime_env=self._env_vars(r.trainer.num_cpus),
-            ).remote(
-                self.cfg, rank, M, str(policy_path), str(self.ref_path),
-                str(checkpoint) if checkpoint else None,
-            )
-            for rank in range(M)
-        ]  # fmt: skip
-        host, port = self.nodes.wait_placed(
-            self.trainers[0].rendezvous.remote(), "trainer rank 0", r.replacement_wait_s
+
+        def start(attempt: int) -> list[Any]:
+            again = f"-a{attempt}" if attempt else ""
+            return [
+                self.trainer_cls.options(
+                    name=f"{self.prefix}-trainer-{rank}-e{self.epoch}{again}",
+                    num_cpus=r.trainer.num_cpus, num_gpus=r.trainer.num_gpus, max_restarts=0,
+                    scheduling_strategy=self._strategy(self.trainer_bundle[rank]),
+                    runtime_env=self._env_vars(r.trainer.num_cpus),
+                ).remote(
+                    self.cfg, rank, M, str(policy_path), str(self.ref_path),
+                    str(checkpoint) if checkpoint else None,
+                )
+                for rank in range(M)
+            ]  # fmt: skip
+
+        def probe(trainers: list[Any], left: float) -> None:
+            w = self.nodes.wait_placed
+            host, port = w(trainers[0].rendezvous.remote(), "trainer rank 0", left)
+            w([t.init_group.remote(host, port) for t in trainers], "the trainer group", left)
+
+        self.trainers = self.nodes.place(
+            start, probe, "the trainer group", r.replacement_wait_s, _DIED
         )
-        self.nodes.wait_placed(
-            [t.init_group.remote(host, port) for t in self.trainers], "the trainer group",
-            r.replacement_wait_s,
-        )  # fmt: skip
 
     def _scheduler(self, finalized: int, dropped: int, filtered: int = 0) -> ShareScheduler:
         first = finalized // self.share_size
@@ -470,6 +477,7 @@ class RayPlacement:
         """Phase 5: the new weights already ride on the next rollout calls; this logs the
         step's sync, generation and staleness figures."""
         G, now = self.cfg.train.group_size, time.perf_counter()
+        self._note_lost_nodes()  # a node Ray declared dead since: named even if nothing failed
         trajs = [t for g in self.batch for t in g.trajs]
         staleness = np.array([step - 1 - t.policy_version for t in trajs], dtype=float)
         acc = self.acc
