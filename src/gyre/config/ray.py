@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import (
     Field,
     field_validator,
+    model_validator,
 )
 
 from gyre.config.base import (
@@ -36,6 +37,29 @@ class RoleResources(_Section):
                     "than CPU, GPU and memory (use num_cpus / num_gpus for those)"
                 )
         return v
+
+
+class HandoverConfig(_Section):
+    """Colocated placement: the engines and the trainer hand one pool of devices back and forth
+    each step (gyre.runners.handover)."""
+
+    sleep_engines: bool = Field(
+        False,
+        description="HTTP engines: put every server to sleep before the update and wake it "
+        "before the weight load (vLLM /sleep + /wake_up, needs --enable-sleep-mode; SGLang "
+        "/release_memory_occupation + /resume_memory_occupation; gyre serve).",
+    )
+    sleep_level: Literal[1, 2] = Field(
+        1, description="vLLM sleep level: 1 offloads the weights to host memory, 2 drops them."
+    )
+    offload_optimizer: bool = Field(
+        False, description="Move the trainer's optimizer state to host memory while engines run."
+    )
+    offload_weights: bool = Field(
+        False,
+        description="Move the trainer's weights to host memory too while engines run (not with "
+        "ray.strategy=fsdp2).",
+    )
 
 
 class RayConfig(_Section):
@@ -87,6 +111,10 @@ class RayConfig(_Section):
     strategy: Literal["auto", "ddp", "fsdp2"] = Field(
         "auto", description="Data parallelism: ddp (gloo, CPU) or fsdp2 (nccl, GPU); auto picks."
     )
+    handover: HandoverConfig = Field(
+        default_factory=HandoverConfig,
+        description="Colocated placement: engines sleep for the update, the trainer offloads.",
+    )
     max_rollout_restarts: int = Field(
         8, ge=0, description="Dead rollout actors replaced before the run fails."
     )
@@ -111,6 +139,19 @@ class RayConfig(_Section):
         description="Seconds a replacement actor may wait for room (e.g. a replacement node "
         "with the role's resources to join) before the run stops with one line.",
     )
+
+    @model_validator(mode="after")
+    def _check_handover(self) -> RayConfig:
+        h = self.handover
+        on = [k for k in ("sleep_engines", "offload_optimizer", "offload_weights") if getattr(h, k)]
+        if on and self.placement != "colocated":
+            raise ValueError(
+                f"ray.handover.{on[0]} hands the devices between engines and trainer: it needs "
+                f"ray.placement=colocated (is {self.placement})"
+            )
+        if h.offload_weights and self.strategy == "fsdp2":
+            raise ValueError("ray.handover.offload_weights does not work with ray.strategy=fsdp2")
+        return self
 
     @field_validator("address")
     @classmethod
