@@ -98,7 +98,7 @@ def add_memory_routes(app: Any, host: Any, batcher: Any, auth: list[Any]) -> Sle
 
     @app.get("/is_sleeping", dependencies=auth)
     async def is_sleeping() -> Any:
-        return {"is_sleeping": sleeper.sleeping}
+        return {"is_sleeping": sleeper.sleeping, **sleeper.counts}  # vLLM's key, then ours
 
     @app.post("/release_memory_occupation", dependencies=auth)
     async def release() -> Any:
