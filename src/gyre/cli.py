@@ -1,4 +1,4 @@
-"""``gyre``: train | sft | eval | verify-resume | report | serve | export | submit.
+"""``gyre``: train | sft | eval | verify-resume | report | serve | export | submit | plan.
 
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
@@ -81,6 +81,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
             p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
             p.add_argument("--workdir", default="", help="where both runs go (default: a temp dir)")
     sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
+    sub.add_parser("plan", help="placement planner: gyre plan [RUN_DIR] --nodes N")
     _add_submit(sub)
     ns = parser.parse_args(argv)
     if ns.help_config:
@@ -217,6 +218,10 @@ def _error_line(exc: Exception) -> tuple[str, int]:
 
 
 def _run(argv: list[str]) -> int:
+    if argv[:1] == ["plan"]:  # placement planner: a run dir and figures, its own parser
+        from gyre.commands.plan import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[:1] == ["report"]:  # takes a run dir, not config keys: its own parser
         from gyre.telemetry.report import main as report_main
 

@@ -124,14 +124,14 @@ class RayConfig(_Section):
     health_check_period_s: float = Field(
         3.0,
         gt=0,
-        description="Seconds between Ray's health checks of a node (a local cluster gyre starts; "
-        "a joined cluster uses its head's --system-config).",
+        description="Seconds between Ray's health checks of a node, and each check's timeout (a "
+        "local cluster gyre starts; a joined cluster uses its head's --system-config).",
     )
     health_check_failures: int = Field(
         5,
         gt=0,
         description="Missed health checks after which Ray declares a node dead: a node that "
-        "stops answering is lost within health_check_period_s x this.",
+        "stops answering is lost within 2 x health_check_period_s x this.",
     )
     replacement_wait_s: float = Field(
         600.0,
