@@ -237,6 +237,10 @@ def test_a_node_lost_mid_step_loses_nothing(nodes, warm_model, tmp_path, role, m
     try:
         node, seconds = _lose_a_node(nodes, proc, run_dir, victim)
         out = proc.communicate(timeout=600)[0]
+    except AssertionError as exc:
+        if proc.poll() is None:
+            proc.kill()
+        raise AssertionError(f"{exc}\n{proc.communicate()[0][-3000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -255,8 +259,10 @@ def test_a_node_lost_mid_step_loses_nothing(nodes, warm_model, tmp_path, role, m
 
 def test_a_node_that_stops_answering_is_declared_lost_in_time(nodes):
     """SIGSTOP a node's raylet (it neither dies nor answers): Ray's health check, with the
-    period, timeout and failure count gyre sets, declares it dead within 2 x period x failures
-    (+1 s)."""
+    period, timeout and failure count gyre sets, declares it dead in about 2 x period x failures
+    (4 s here). The bound asserted is 3 x that: on two shared cores the GCS's own timers run
+    late (measured 4-9 s at load averages of 10-20). With Ray's default 10 s check timeout the
+    same stop took 46 s: the deadline is set, not left to Ray's defaults."""
     extra = nodes.add({"gyre_spare": 1.0})
     node = next(n for n in nodes.cluster.worker_nodes if n.node_id == extra)
     pid = node.all_processes["raylet"][0].process.pid
@@ -270,7 +276,7 @@ def test_a_node_that_stops_answering_is_declared_lost_in_time(nodes):
     finally:
         os.kill(pid, signal.SIGCONT)
     print(f"a stopped raylet was declared dead after {took:.2f} s")
-    assert took <= DEADLINE_S + 1.0
+    assert took <= 3 * DEADLINE_S
     nodes.remove(extra)
 
 
@@ -301,14 +307,14 @@ def test_fsdp2_on_two_nodes_checkpoints_the_whole_model_and_resumes(nodes, warm_
     assert p.returncode == 0, out[-3000:]
     warm = load_file(str(warm_model / "model.safetensors"))
     final = load_file(str(whole / "final" / "model.safetensors"))
-    last = load_file(str(whole / "checkpoints" / f"step_{steps}" / "model" / "model.safetensors"))
+    last = load_file(str(whole / "checkpoints" / f"step_{steps:06d}" / "model" / "model.safetensors"))
     assert set(last) == set(warm) and all(last[k].shape == warm[k].shape for k in warm)
     assert all(torch_equal(last[k], final[k]) for k in final)
 
     p = _train(_overrides(killed, warm_model, steps, *fsdp))
     ckpts = killed / "checkpoints"
     deadline = time.time() + 400
-    while not (ckpts / "step_2").is_dir():
+    while not (ckpts / "step_000002").is_dir():
         assert p.poll() is None and time.time() < deadline, "no checkpoint of step 2"
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
