@@ -307,7 +307,8 @@ def test_fsdp2_on_two_nodes_checkpoints_the_whole_model_and_resumes(nodes, warm_
     assert p.returncode == 0, out[-3000:]
     warm = load_file(str(warm_model / "model.safetensors"))
     final = load_file(str(whole / "final" / "model.safetensors"))
-    last = load_file(str(whole / "checkpoints" / f"step_{steps:06d}" / "model" / "model.safetensors"))
+    last_dir = whole / "checkpoints" / f"step_{steps:06d}" / "model"
+    last = load_file(str(last_dir / "model.safetensors"))
     assert set(last) == set(warm) and all(last[k].shape == warm[k].shape for k in warm)
     assert all(torch_equal(last[k], final[k]) for k in final)
 
