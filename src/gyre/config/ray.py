@@ -27,17 +27,6 @@ class RoleResources(_Section):
         "'{\"gyre_rollout\": 4}'), which pins the role to those nodes.",
     )
 
-    @field_validator("resources")
-    @classmethod
-    def _check_resources(cls, v: dict[str, float]) -> dict[str, float]:
-        for name, amount in v.items():
-            if name in ("CPU", "GPU", "memory") or amount <= 0:
-                raise ValueError(
-                    f"'{name}: {amount}': custom resources are positive amounts of names other "
-                    "than CPU, GPU and memory (use num_cpus / num_gpus for those)"
-                )
-        return v
-
 
 class HandoverConfig(_Section):
     """Colocated placement: the engines and the trainer hand one pool of devices back and forth
@@ -141,7 +130,15 @@ class RayConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _check_handover(self) -> RayConfig:
+    def _check_roles(self) -> RayConfig:
+        for role in ("rollout", "trainer"):
+            for name, amount in getattr(self, role).resources.items():
+                if name in ("CPU", "GPU", "memory") or amount <= 0:
+                    raise ValueError(
+                        f"ray.{role}.resources: '{name}: {amount:g}': custom resources are "
+                        "positive amounts of names other than CPU, GPU and memory (those are "
+                        f"ray.{role}.num_cpus / num_gpus)"
+                    )
         h = self.handover
         on = [k for k in ("sleep_engines", "offload_optimizer", "offload_weights") if getattr(h, k)]
         if on and self.placement != "colocated":
