@@ -13,9 +13,12 @@ trained so the trainer's work does not depend on the rewards) then runs, each as
     colocated, 2 bundles             2 rollout workers + 2 trainer ranks (gloo) on both nodes
 
 For each: the median ``time/step_s`` over steps 2..N, the planner's prediction from the
-calibration run (``gyre.commands.plan.measure``), and the error. The last line is one JSON object.
+calibration run (``gyre.commands.plan.measure``), and the error. ``--repeats R`` runs the five
+placements R times, interleaved, and calibrates each repeat on its own sync run (the machine's
+load drifts between minutes; within a repeat all placements see about the same), then reports
+the median error per placement. The last line is one JSON object.
 
-    python bench/plan_calibrate.py --steps 12
+    python bench/plan_calibrate.py --steps 12 --repeats 2
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def run(address: str, run_dir: Path, steps: int, extra: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     os.environ["RAY_AUTH_MODE"] = "disabled"
     from ray.cluster_utils import Cluster
@@ -74,24 +78,30 @@ def main() -> None:
     for res in ({"gyre_rollout": 2.0}, {"gyre_trainer": 2.0}):
         cluster.add_node(num_cpus=1, resources=res)
     cluster.wait_for_nodes()
-    measured: dict[str, float] = {}
+    rows: list[dict] = []
     try:
-        for name, (extra, *_rest) in PLACEMENTS.items():
-            measured[name] = run(cluster.address, root / name.replace(" ", "_"), args.steps, extra)
-            print(f"{name}: median step {measured[name]:.3f} s", flush=True)
+        for rep in range(args.repeats):
+            measured = {}
+            for name, (extra, *_rest) in PLACEMENTS.items():
+                d = root / f"r{rep}-{name.replace(' ', '_')}"
+                measured[name] = run(cluster.address, d, args.steps, extra)
+                print(f"repeat {rep} {name}: median step {measured[name]:.3f} s", flush=True)
+            tp, wl = measure(root / f"r{rep}-disaggregated_1+1_sync")
+            print(f"repeat {rep} calibration: {tp}\n  {wl}", flush=True)
+            for name, (_, mode, nodes, r) in PLACEMENTS.items():
+                pred = predict(tp, wl, mode, nodes, r).step_s
+                rows.append({"repeat": rep, "placement": name, "measured_s": measured[name],
+                             "predicted_s": pred, "error": pred / measured[name] - 1})  # fmt: skip
     finally:
         cluster.shutdown()
-    tp, wl = measure(root / "disaggregated_1+1_sync")
-    print(f"calibration: {tp}\n             {wl}")
-    out = []
-    print(f"{'placement':<26} {'measured s':>10} {'predicted s':>11} {'error':>7}")
-    for name, (_, mode, nodes, r) in PLACEMENTS.items():
-        pred = predict(tp, wl, mode, nodes, r).step_s
-        err = pred / measured[name] - 1
-        out.append({"placement": name, "measured_s": measured[name], "predicted_s": pred,
-                    "error": err})  # fmt: skip
-        print(f"{name:<26} {measured[name]:>10.3f} {pred:>11.3f} {err:>+7.1%}")
-    print(json.dumps(out))
+    print(f"{'placement':<26} {'repeat':>6} {'measured s':>10} {'predicted s':>11} {'error':>7}")
+    for r in rows:
+        print(f"{r['placement']:<26} {r['repeat']:>6} {r['measured_s']:>10.3f} "
+              f"{r['predicted_s']:>11.3f} {r['error']:>+7.1%}")  # fmt: skip
+    for name in PLACEMENTS:
+        errs = [r["error"] for r in rows if r["placement"] == name]
+        print(f"{name:<26} median error {statistics.median(errs):+.1%}")
+    print(json.dumps(rows))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 _DIED = (RayActorError, ray.exceptions.ActorUnavailableError)
+_LOST = ray.exceptions.ObjectLostError  # an object whose node (and copies) are gone
 _ACC = ("tokens", "gen_s", "gen_actor_s", "gen_actor_cpu_s", "load_s")  # per-step sums
 
 
@@ -395,8 +396,11 @@ class RayPlacement:
             i, s, epoch = self.pending.pop(ref)
             try:
                 res = ray.get(ref)
-            except _DIED as exc:
-                self._replace_worker(i, exc)
+            except (*_DIED, _LOST) as exc:
+                if not isinstance(exc, _LOST):
+                    self._replace_worker(i, exc)
+                # else: the weights it was to load lived on a lost node (a trainer node): the
+                # worker is fine, and the share is reissued with the current weights
                 if epoch == self.epoch:
                     self.counters["recovery/reissued_shares"] += 1
                     self.sched.reissue(s)
