@@ -83,11 +83,17 @@ class Nodes:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    n = Nodes(tmp_path_factory.mktemp("raynodes"))
+    import shutil
+    import tempfile
+
+    # Unix socket paths are capped at 107 bytes: a short session dir, not pytest's tmp path
+    short = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))
+    n = Nodes(short)
     ray.init(address=n.cluster.address, namespace="gyre", log_to_driver=False)
     yield n
     ray.shutdown()
     n.cluster.shutdown()
+    shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
