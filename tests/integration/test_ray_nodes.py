@@ -317,8 +317,11 @@ def test_fsdp2_on_two_nodes_checkpoints_the_whole_model_and_resumes(nodes, warm_
     from safetensors.torch import load_file
 
     steps = 4
+    # One micro-batch per rank: the maze's turns make the ranks' row counts differ, and FSDP2
+    # ranks with unequal micro-batch counts deadlock (docs/cluster.md)
     fsdp = ["ray.strategy=fsdp2", "ray.trainer_ranks=2", "checkpoint.every=1", "checkpoint.keep=10",
-            "train.mini_batches=1", f"ray.address={nodes.cluster.address}"]  # fmt: skip
+            "train.mini_batches=1", "train.micro_batch_size=1024",
+            f"ray.address={nodes.cluster.address}"]  # fmt: skip
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     _finish(_train(_overrides(whole, warm_model, steps, *fsdp)))
     warm = load_file(str(warm_model / "model.safetensors"))
