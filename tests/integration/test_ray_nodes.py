@@ -310,8 +310,8 @@ def test_fsdp2_on_two_nodes_checkpoints_the_whole_model_and_resumes(nodes, warm_
     """``ray.strategy=fsdp2``, two CPU ranks (gloo) on the two trainer nodes. Each checkpoint
     holds the whole model (every tensor at full shape, equal to the gathered final weights for
     the last one). The driver killed with SIGKILL after a checkpoint and resumed: final weights
-    bitwise equal to the run that was never killed. The same checkpoint resumed with one rank
-    runs to the end (weights within 1e-5 of two ranks: a different all-reduce order)."""
+    bitwise equal to the run that was never killed. The same checkpoint resumed with one rank is
+    refused in one line naming both counts."""
     import shutil
 
     from safetensors.torch import load_file
@@ -347,12 +347,10 @@ def test_fsdp2_on_two_nodes_checkpoints_the_whole_model_and_resumes(nodes, warm_
     assert sorted(_trained_ids(killed)) == sorted(_expected_ids(steps))
 
     one = [x.replace("ray.trainer_ranks=2", "ray.trainer_ranks=1") for x in fsdp]
-    _finish(_train(_overrides(fewer, warm_model, steps, *one, "run.resume=auto")))
-    other = load_file(str(fewer / "final" / "model.safetensors"))
-    diff = max((other[k] - final[k]).abs().max().item() for k in final)
-    print(f"fsdp2 resumed with one rank instead of two: max |w1 - w2| = {diff:.2e}")
-    assert diff <= 1e-5
-    assert sorted(_trained_ids(fewer)) == sorted(_expected_ids(steps))
+    p = _train(_overrides(fewer, warm_model, steps, *one, "run.resume=auto"))
+    out = p.communicate(timeout=900)[0]
+    assert p.returncode != 0  # the checkpoint's config check refuses another rank count
+    assert "ray.trainer_ranks: checkpoint=2, now=1" in out, out[-3000:]
 
 
 def torch_equal(a, b) -> bool:
