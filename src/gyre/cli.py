@@ -1,4 +1,4 @@
-"""``gyre``: train | sft | eval | verify-resume | report | serve | export | import | submit.
+"""``gyre``: train | sft | eval | verify-resume | report | serve | export | import | submit | plan.
 
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
@@ -93,6 +93,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
             p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
             p.add_argument("--workdir", default="", help="where both runs go (default: a temp dir)")
     sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
+    sub.add_parser("plan", help="placement planner: gyre plan [RUN_DIR] --nodes N")
     _add_submit(sub)
     ns = parser.parse_args(argv)
     if ns.help_config:
@@ -118,6 +119,7 @@ def _add_submit(sub: Any) -> None:
         "submit",
         help=text,
         description=text + ".",
+        allow_abbrev=False,  # `--token X` must not pass for --token-file: no token in argv
         epilog=_KEYS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -134,16 +136,27 @@ def _add_submit(sub: Any) -> None:
     )
     p.add_argument("--python", default="python", help="interpreter on the cluster")
     p.add_argument("--no-follow", action="store_true", help="return after submitting")
+    p.add_argument(
+        "--token-file",
+        help="file holding the cluster's Ray auth token (else RAY_AUTH_TOKEN, "
+        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)",
+    )
 
 
 def _submit(ns: argparse.Namespace) -> int:
-    from gyre.runners.submit import JobRuntime, submit
+    from gyre.runners.submit import JobRuntime, SubmitError, submit
 
     args = list(ns.args)
     config = args.pop(0) if args and "=" not in args[0] else None
     env = dict(e.split("=", 1) for e in ns.env)
     runtime = JobRuntime(ns.working_dir, ns.pip, env, ns.python)
-    job_id, status = submit(ns.address, config, args, runtime, follow=not ns.no_follow)
+    try:
+        job_id, status = submit(
+            ns.address, config, args, runtime, follow=not ns.no_follow, token_file=ns.token_file
+        )
+    except SubmitError as exc:
+        print(f"gyre submit: {exc}", file=sys.stderr)
+        return 2
     print(f"job {job_id}: {status}")
     return 0 if status in ("SUCCEEDED", "PENDING", "RUNNING") else 1
 
@@ -226,6 +239,10 @@ def _error_line(exc: Exception) -> tuple[str, int]:
 
 
 def _run(argv: list[str]) -> int:
+    if argv[:1] == ["plan"]:  # placement planner: a run dir and figures, its own parser
+        from gyre.commands.plan import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[:1] == ["report"]:  # takes a run dir, not config keys: its own parser
         from gyre.telemetry.report import main as report_main
 

@@ -151,13 +151,26 @@ def test_dynamic_sampling_under_ray_trains_only_groups_with_variance(ray_cluster
 
 
 def test_http_engine_workers_follow_the_trainer(ray_cluster, warm, tmp_path):
+    """Colocated with the server, which sleeps for each update and wakes before the weight load
+    (the hand-over of one pool), while the trainer offloads its optimizer state."""
+    import httpx
+
     server = start_server(warm, tmp_path)
     try:
         d = tmp_path / "run"
         extra = ["engine.kind=http", f"engine.urls=[{server.url}]", "engine.timeout_s=60",
-                 "ray.rollout_workers=2", "ray.tasks_per_share=2", "train.steps=2"]  # fmt: skip
+                 "ray.rollout_workers=2", "ray.tasks_per_share=2", "train.steps=2",
+                 "ray.placement=colocated", "ray.rollout.num_cpus=0.5", "ray.trainer.num_cpus=0.5",
+                 "ray.handover.sleep_engines=true",
+                 "ray.handover.offload_optimizer=true"]  # fmt: skip
         s = runners.train(_cfg(d, warm, *extra))
         steps = [r for r in _metrics(d) if "train/loss" in r]
+        state = httpx.get(f"{server.url}/is_sleeping").json()
+        assert state == {"is_sleeping": False, "sleeps": 2, "wakes": 2}
+        for r in steps:
+            assert r["handover/engine_sleep_s"] > 0 and r["handover/engine_wake_s"] > 0
+            assert r["handover/optimizer_offload_bytes"] == 0  # a CPU trainer frees no device
+            assert "handover/trainer_offload_s" in r and "handover/trainer_load_s" in r
         assert [r["policy_version"] for r in steps] == [1.0, 2.0]
         versions = sorted(p.name for p in (d / "sync").iterdir())
         assert versions[-1] == "v2"  # the trainer pushed its weights to the server every step

@@ -25,12 +25,16 @@ def _free_port() -> int:
 
 @pytest.fixture
 def ray_head(tmp_path, tmp_path_factory):
+    yield from _head(tmp_path, tmp_path_factory, {"RAY_AUTH_MODE": "disabled"})
+
+
+def _head(tmp_path, tmp_path_factory, auth: dict, headers: dict | None = None):
     """``ray start --head --block`` in its own process group, every port asked of the OS."""
     ray_bin = Path(sys.executable).parent / "ray"
     dash = _free_port()
     env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
+        **{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")},
+        **auth,
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
     }
     cmd = [
@@ -54,7 +58,7 @@ def ray_head(tmp_path, tmp_path_factory):
     deadline = time.time() + 120
     while True:
         try:
-            JobSubmissionClient(address).list_jobs()
+            JobSubmissionClient(address, headers=headers).list_jobs()
             break
         except Exception:
             if proc.poll() is not None or time.time() > deadline:
@@ -109,3 +113,95 @@ def test_submit_refuses_a_config_outside_the_working_dir(tmp_path):
     job = build_job(str(tmp_path / "c.yaml"), ["train.steps=2"], str(tmp_path), pip=["x"])
     assert job["entrypoint"] == "python -m gyre.cli train c.yaml train.steps=2"
     assert job["runtime_env"] == {"working_dir": str(tmp_path), "pip": ["x"]}
+
+
+TOKEN_RUN = (
+    "model: {hidden_size: 32, num_layers: 2, num_heads: 4, intermediate_size: 64}\n"
+    "sft: {steps: 0}\n"
+    "train: {steps: 1, tasks_per_step: 2, group_size: 2}\n"
+    "eval: {episodes: 0}\n"
+    "log: {console: plain}\n"
+    "runner: ray\n"
+    "ray: {rollout_workers: 1, rollout: {num_cpus: 0.5}, trainer: {num_cpus: 0.5}}\n"
+)
+
+
+@pytest.fixture
+def token_head(tmp_path, tmp_path_factory):
+    """A head with Ray's token authentication on, its token in a file only it reads."""
+    import secrets
+
+    token = secrets.token_hex(16)
+    path = tmp_path / "cluster-token"
+    path.write_text(token)
+    path.chmod(0o600)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+    for address in _head(tmp_path, tmp_path_factory, auth, {"Authorization": f"Bearer {token}"}):
+        yield address, token
+
+
+def _submit(address: str, work: Path, run_dir: Path, *extra: str) -> int:
+    from gyre.cli import main
+
+    return main([
+        "submit", str(work / "run.yaml"), f"run.dir={run_dir}", "run.threads=1",
+        "--address", address, "--working-dir", str(work), "--python", sys.executable, *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GYRE_SLOW") != "1", reason="slow: set GYRE_SLOW=1")
+def test_submit_to_a_token_head_refuses_a_missing_or_wrong_token(
+    token_head, tmp_path, capsys, monkeypatch
+):
+    address, _ = token_head
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "run.yaml").write_text(TOKEN_RUN)
+    for var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token either
+    assert _submit(address, work, tmp_path / "a") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"gyre submit: the Ray head at {address} requires a token (no token given): pass "
+        "--token-file FILE or set RAY_AUTH_TOKEN"
+    )
+    wrong = tmp_path / "wrong"
+    wrong.write_text("0" * 32)
+    assert _submit(address, work, tmp_path / "b", "--token-file", str(wrong)) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == f"gyre submit: the Ray head at {address} refused the token from --token-file {wrong}"
+    )
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "1" * 32)
+    assert _submit(address, work, tmp_path / "c") == 2
+    assert capsys.readouterr().err.strip().endswith("refused the token from RAY_AUTH_TOKEN")
+    assert _submit(address, work, tmp_path / "d", "--token-file", str(tmp_path / "nope")) == 2
+    assert (
+        "--token-file" in capsys.readouterr().err
+        and "no such file" in str(tmp_path / "nope") + "no such file"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GYRE_SLOW") != "1", reason="slow: set GYRE_SLOW=1")
+def test_submit_to_a_token_head_runs_the_job_and_never_shows_the_token(
+    token_head, tmp_path, capsys, monkeypatch
+):
+    address, token = token_head
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "run.yaml").write_text(TOKEN_RUN)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)  # from the environment, not the command line
+    run_dir = tmp_path / "out"
+    rc = _submit(address, work, run_dir)
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    assert "SUCCEEDED" in out.out
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+    assert token not in out.out + out.err
+    for f in run_dir.rglob("*"):
+        if f.is_file() and f.suffix in (".json", ".jsonl", ".yaml", ".txt", ".log"):
+            assert token not in f.read_text(errors="ignore"), f

@@ -352,3 +352,36 @@ def test_sglang_dialect_generate_and_adapters(served, tokenizer, tmp_path):
         engine.close()
         httpx.post(f"{srv.url}/unload_lora_adapter", json={"lora_name": "gyre-v5"}, headers=headers)
     assert httpx.get(f"{srv.url}/stats", headers=headers).json()["adapters"] == {}
+
+
+@pytest.mark.parametrize("api", ["openai", "sglang"])
+def test_engines_sleep_for_the_update_and_wake_for_rollout(served, api):
+    """The hand-over of a colocated pool through the servers' own endpoints (vLLM's /sleep and
+    /wake_up, SGLang's release/resume_memory_occupation), driven by gyre's HTTP client: asleep,
+    generation is refused with a 503 naming /wake_up; awake, it answers again; the key is
+    required."""
+    from gyre.engines.handover import sleep_engines, wake_engines
+    from gyre.engines.http_engine import HttpEngine
+
+    srv, _, _ = served
+    engine = HttpEngine([srv.url], api_key=KEY, model="tiny", api=api)
+    try:
+        m = sleep_engines(engine)
+        assert m["handover/engine_sleep_s"] >= 0 and m["handover/engine_freed_bytes"] == 0  # CPU
+        head = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.get(f"{srv.url}/is_sleeping", headers=head).json() == {"is_sleeping": True}
+        r = httpx.post(f"{srv.url}/v1/completions", headers=head,
+                       json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 503 and "POST /wake_up" in r.json()["error"]["message"]
+        assert httpx.post(f"{srv.url}/wake_up").status_code == 401  # no key
+        m = wake_engines(engine)
+        assert m["handover/engine_wake_s"] >= 0
+        assert httpx.get(f"{srv.url}/is_sleeping", headers=head).json() == {"is_sleeping": False}
+        r = httpx.post(f"{srv.url}/v1/completions", headers=head,
+                       json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 200
+        bad = httpx.post(f"{srv.url}/sleep?level=3", headers=head)
+        assert bad.status_code == 400 and "level=3" in bad.text
+    finally:
+        wake_engines(engine)
+        engine.close()

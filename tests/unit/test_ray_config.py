@@ -139,3 +139,24 @@ def test_combine_ranks_weights_token_means_by_the_tokens_each_rank_scored():
     a = {"train/tokens": 10.0, "train/entropy": 1.0, "train/loss": 0.1}
     b = {"train/tokens": 30.0, "train/entropy": 2.0, "train/loss": 0.2}
     assert combine_ranks([a, b])["train/entropy"] == (10 * 1.0 + 30 * 2.0) / 40
+
+
+def test_custom_resources_pin_roles_and_handover_needs_colocation():
+    from gyre.runners.placement import placement_bundles
+
+    pin = ["runner=ray", "ray.rollout_workers=1", "ray.trainer_ranks=1",
+           "ray.rollout.resources={gyre_rollout: 1}",
+           "ray.trainer.resources={gyre_trainer: 2}"]  # fmt: skip
+    bundles, _, _ = placement_bundles(load_config(None, pin))
+    assert bundles == [{"CPU": 1.0, "gyre_rollout": 1.0}, {"CPU": 1.0, "gyre_trainer": 2.0}]
+    bundles, _, _ = placement_bundles(load_config(None, [*pin, "ray.placement=colocated"]))
+    assert bundles == [{"CPU": 2.0, "gyre_rollout": 1.0, "gyre_trainer": 2.0}]
+    with pytest.raises(ConfigError, match=r"^ray\.rollout\.resources: 'CPU: 1'"):
+        load_config(None, ["ray.rollout.resources={CPU: 1}"])
+    with pytest.raises(ConfigError, match=r"needs ray\.placement=colocated"):
+        load_config(None, ["ray.handover.offload_optimizer=true"])
+    with pytest.raises(
+        ConfigError, match=r"offload_weights does not work with ray\.strategy=fsdp2"
+    ):
+        load_config(None, ["ray.placement=colocated", "ray.strategy=fsdp2",
+                           "ray.handover.offload_weights=true"])  # fmt: skip

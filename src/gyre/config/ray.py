@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import (
     Field,
     field_validator,
+    model_validator,
 )
 
 from gyre.config.base import (
@@ -18,6 +19,35 @@ class RoleResources(Section):
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs one actor of this role reserves.")
     num_gpus: float = Field(
         0.0, ge=0, description="GPUs one actor of this role reserves (fractions share a GPU)."
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources one actor of this role reserves, e.g. {gyre_rollout: 1}: "
+        "its bundle is placed only on nodes started with that resource (ray start --resources="
+        "'{\"gyre_rollout\": 4}'), which pins the role to those nodes.",
+    )
+
+
+class HandoverConfig(Section):
+    """Colocated placement: the engines and the trainer hand one pool of devices back and forth
+    each step (gyre.runners.handover)."""
+
+    sleep_engines: bool = Field(
+        False,
+        description="HTTP engines: put every server to sleep before the update and wake it "
+        "before the weight load (vLLM /sleep + /wake_up, needs --enable-sleep-mode; SGLang "
+        "/release_memory_occupation + /resume_memory_occupation; gyre serve).",
+    )
+    sleep_level: Literal[1, 2] = Field(
+        1, description="vLLM sleep level: 1 offloads the weights to host memory, 2 drops them."
+    )
+    offload_optimizer: bool = Field(
+        False, description="Move the trainer's optimizer state to host memory while engines run."
+    )
+    offload_weights: bool = Field(
+        False,
+        description="Move the trainer's weights to host memory too while engines run (not with "
+        "ray.strategy=fsdp2).",
     )
 
 
@@ -70,12 +100,55 @@ class RayConfig(Section):
     strategy: Literal["auto", "ddp", "fsdp2"] = Field(
         "auto", description="Data parallelism: ddp (gloo, CPU) or fsdp2 (nccl, GPU); auto picks."
     )
+    handover: HandoverConfig = Field(
+        default_factory=HandoverConfig,
+        description="Colocated placement: engines sleep for the update, the trainer offloads.",
+    )
     max_rollout_restarts: int = Field(
         8, ge=0, description="Dead rollout actors replaced before the run fails."
     )
     max_trainer_restarts: int = Field(
         2, ge=0, description="Trainer-group restarts from the latest checkpoint before failing."
     )
+    health_check_period_s: float = Field(
+        3.0,
+        gt=0,
+        description="Seconds between Ray's health checks of a node, and each check's timeout (a "
+        "local cluster gyre starts; a joined cluster uses its head's --system-config).",
+    )
+    health_check_failures: int = Field(
+        5,
+        gt=0,
+        description="Missed health checks after which Ray declares a node dead: a node that "
+        "stops answering is lost within 2 x health_check_period_s x this.",
+    )
+    replacement_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a replacement actor may wait for room (e.g. a replacement node "
+        "with the role's resources to join) before the run stops with one line.",
+    )
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> RayConfig:
+        for role in ("rollout", "trainer"):
+            for name, amount in getattr(self, role).resources.items():
+                if name in ("CPU", "GPU", "memory") or amount <= 0:
+                    raise ValueError(
+                        f"ray.{role}.resources: '{name}: {amount:g}': custom resources are "
+                        "positive amounts of names other than CPU, GPU and memory (those are "
+                        f"ray.{role}.num_cpus / num_gpus)"
+                    )
+        h = self.handover
+        on = [k for k in ("sleep_engines", "offload_optimizer", "offload_weights") if getattr(h, k)]
+        if on and self.placement != "colocated":
+            raise ValueError(
+                f"ray.handover.{on[0]} hands the devices between engines and trainer: it needs "
+                f"ray.placement=colocated (is {self.placement})"
+            )
+        if h.offload_weights and self.strategy == "fsdp2":
+            raise ValueError("ray.handover.offload_weights does not work with ray.strategy=fsdp2")
+        return self
 
     @field_validator("address")
     @classmethod

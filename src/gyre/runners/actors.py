@@ -155,6 +155,7 @@ class TrainerRank:
         self.resume_checkpoint = resume_checkpoint
         self.trainer: Trainer | None = None
         self.http_sync: WeightSync | None = None  # rank 0 of a run whose engines are servers
+        self.handover: Any = None  # colocated: the pool handed to the engines and back
         self._pushed = False
 
     def threads(self) -> int:
@@ -186,16 +187,27 @@ class TrainerRank:
 
             tok = self.trainer.tokenizer
             _, self.http_sync = build_engine(self.cfg, self.trainer.model, tok, run_dir)
+        h = self.cfg.ray.handover
+        if self.cfg.ray.placement == "colocated" and (
+            h.sleep_engines or h.offload_optimizer or h.offload_weights
+        ):
+            from gyre.runners.handover import Handover
+
+            engine = self.http_sync.engine if self.http_sync is not None else None
+            self.handover = Handover(self.cfg, self.trainer, self.device, engine)
         return type(self.trainer.comm).__name__
 
     def update(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
         """Phases 3-4 on this rank's shard of whole groups (advantages need whole groups)."""
         assert self.trainer is not None, "init_group first"
+        hand = self.handover.to_trainer() if self.handover is not None else {}
         t0, cpu0 = time.perf_counter(), time.process_time()
         m = self.trainer.update(step, trajs)
         m["time/trainer_update_s"] = time.perf_counter() - t0
         m["time/trainer_update_cpu_s"] = time.process_time() - cpu0
-        return m
+        if self.handover is not None:  # before the weight load: the engines wake first
+            hand.update(self.handover.to_engines())
+        return {**m, **hand}
 
     def update_and_gather(self, step: int, trajs: list[Trajectory]) -> tuple[dict[str, float], Any]:
         """``update`` then ``get_weights`` in one call (called with ``num_returns=2``): the
@@ -241,7 +253,12 @@ class TrainerRank:
         return self.trainer.save(ckpt, step, state, run_dir / "metrics.jsonl")
 
     def save_final(self, out_dir: str) -> None:
+        """The final model; under FSDP2 a collective (every rank gathers, rank 0 writes)."""
         assert self.trainer is not None
-        write_model_dir(
-            Path(out_dir), self.trainer.model, self.trainer.tokenizer, trained_on(self.cfg)
-        )
+        model: torch.nn.Module | None = self.trainer.model
+        if hasattr(self.trainer.comm, "mirror"):
+            from gyre.trainer.fsdp_checkpoint import gathered_model
+
+            model = gathered_model(self.trainer)
+        if model is not None:
+            write_model_dir(Path(out_dir), model, self.trainer.tokenizer, trained_on(self.cfg))

@@ -38,6 +38,8 @@ def _bundle(*roles: Any) -> dict[str, float]:
             out["CPU"] = out.get("CPU", 0.0) + r.num_cpus
         if r.num_gpus:
             out["GPU"] = out.get("GPU", 0.0) + r.num_gpus
+        for name, amount in r.resources.items():  # custom resources pin a role to its nodes
+            out[name] = out.get(name, 0.0) + amount
     return out
 
 

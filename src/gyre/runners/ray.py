@@ -56,6 +56,7 @@ from gyre.rollout.core import rollout_seed
 from gyre.rollout.dapo import has_reward_variance
 from gyre.runners.actors import RolloutWorker, TrainerRank
 from gyre.runners.bounded import Waits
+from gyre.runners.nodes import NodeWatch, health_system_config, lost_deadline_s
 from gyre.runners.placement import (
     actor_prefix,
     combine_ranks,
@@ -77,6 +78,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 _DIED = (RayActorError, ray.exceptions.ActorUnavailableError)
+_LOST = ray.exceptions.ObjectLostError  # an object whose node (and copies) are gone
 _ACC = ("tokens", "gen_s", "gen_actor_s", "gen_actor_cpu_s", "load_s")  # per-step sums
 
 
@@ -100,6 +102,7 @@ def connect_ray(cfg: Config) -> bool:
     if address == "local":
         kwargs["num_cpus"] = cfg.ray.num_cpus or None
         kwargs["include_dashboard"] = False
+        kwargs["_system_config"] = health_system_config(cfg)  # the node-lost deadline
         if cfg.ray.temp_dir:
             kwargs["_temp_dir"] = str(Path(cfg.ray.temp_dir).resolve())
     t0 = time.monotonic()
@@ -182,7 +185,9 @@ class RayPlacement:
             "recovery/rollout_restarts": 0,
             "recovery/trainer_restarts": 0,
             "recovery/reissued_shares": 0,
+            "recovery/lost_nodes": 0,
         }
+        self.nodes = NodeWatch(ray, lost_deadline_s(cfg))
         self.epoch = 0  # bumped on a trainer restart: in-flight work of older epochs is ignored
         self.pending: dict[Any, tuple[int, int, int]] = {}  # ref -> (worker, share, epoch)
         self.traj_log = run_dir / "trajectories.jsonl"
@@ -228,34 +233,53 @@ class RayPlacement:
             raise RuntimeError(f"{what} {n} times (ray.max_{role}_restarts={limit})") from why
         return n
 
+    def _note_lost_nodes(self) -> None:
+        for line in self.nodes.newly_lost():
+            self.out.message(line)
+            self.counters["recovery/lost_nodes"] += 1
+
     def _replace_worker(self, i: int, why: BaseException) -> None:
         self._count_restart("rollout", "rollout workers died", why)
+        self._note_lost_nodes()
         self.out.message(f"rollout worker {i} died ({type(why).__name__}); starting a replacement")
         ray.kill(self.workers[i], no_restart=True)
-        self.workers[i] = self._new_worker(i)
+        what = f"replacement rollout worker {i}"
+        self.workers[i] = self.nodes.place(  # its bundle may wait for a replacement node
+            lambda _: [self._new_worker(i)],
+            lambda a, left: self.nodes.wait_placed(a[0].pid.remote(), what, left),
+            what, self.cfg.ray.replacement_wait_s, _DIED,
+        )[0]  # fmt: skip
+        self._note_lost_nodes()
         if self.weights_ref is not None:
             self.workers[i].load_weights.remote(self.weights_ref, self.version)
 
     def _start_trainers(self, policy_path: Path, checkpoint: Path | None) -> None:
         r = self.cfg.ray
         M = r.trainer_ranks
-        self.trainers = [
-            self.trainer_cls.options(
-                name=f"{self.prefix}-trainer-{rank}-e{self.epoch}", num_cpus=r.trainer.num_cpus,
-                num_gpus=r.trainer.num_gpus, max_restarts=0,
-                scheduling_strategy=self._strategy(self.trainer_bundle[rank]),
-                runtime_env=self._env_vars(r.trainer.num_cpus),
-            ).remote(
-                self.cfg, rank, M, str(policy_path), str(self.ref_path),
-                str(checkpoint) if checkpoint else None,
-            )
-            for rank in range(M)
-        ]  # fmt: skip
-        peer = "the trainer group"
-        rdv = self.trainers[0].rendezvous.remote()
-        host, port = self.waits.get(rdv, "trainer", "rendezvous", peer, startup=True)
-        inits = [t.init_group.remote(host, port) for t in self.trainers]
-        self.waits.get(inits, "collective", "process group init", peer, startup=True)
+
+        def start(attempt: int) -> list[Any]:
+            again = f"-a{attempt}" if attempt else ""
+            return [
+                self.trainer_cls.options(
+                    name=f"{self.prefix}-trainer-{rank}-e{self.epoch}{again}",
+                    num_cpus=r.trainer.num_cpus, num_gpus=r.trainer.num_gpus, max_restarts=0,
+                    scheduling_strategy=self._strategy(self.trainer_bundle[rank]),
+                    runtime_env=self._env_vars(r.trainer.num_cpus),
+                ).remote(
+                    self.cfg, rank, M, str(policy_path), str(self.ref_path),
+                    str(checkpoint) if checkpoint else None,
+                )
+                for rank in range(M)
+            ]  # fmt: skip
+
+        def probe(trainers: list[Any], left: float) -> None:
+            w = self.nodes.wait_placed
+            host, port = w(trainers[0].rendezvous.remote(), "trainer rank 0", left)
+            w([t.init_group.remote(host, port) for t in trainers], "the trainer group", left)
+
+        self.trainers = self.nodes.place(
+            start, probe, "the trainer group", r.replacement_wait_s, _DIED
+        )
 
     def _scheduler(self, finalized: int, dropped: int, filtered: int = 0) -> ShareScheduler:
         first = finalized // self.share_size
@@ -295,6 +319,7 @@ class RayPlacement:
         """A trainer rank died: restart the group from the latest checkpoint and make the loop
         continue from there (:class:`gyre.loop.RolledBack`)."""
         n = self._count_restart("trainer", "the trainer group failed", why)
+        self._note_lost_nodes()
         for t in self.trainers:
             ray.kill(t, no_restart=True)
         found = list_checkpoints(self.run_dir)
@@ -385,8 +410,11 @@ class RayPlacement:
             i, s, epoch = self.pending.pop(ref)
             try:
                 res = ray.get(ref, timeout=self.cfg.faults.call_timeout_s)  # ready already
-            except _DIED as exc:
-                self._replace_worker(i, exc)
+            except (*_DIED, _LOST) as exc:
+                if not isinstance(exc, _LOST):
+                    self._replace_worker(i, exc)
+                # else: the weights it was to load lived on a lost node (a trainer node): the
+                # worker is fine, and the share is reissued with the current weights
                 if epoch == self.epoch:
                     self.counters["recovery/reissued_shares"] += 1
                     self.sched.reissue(s)
@@ -468,6 +496,7 @@ class RayPlacement:
         """Phase 5: the new weights already ride on the next rollout calls; this logs the
         step's sync, generation and staleness figures."""
         G, now = self.cfg.train.group_size, time.perf_counter()
+        self._note_lost_nodes()  # a node Ray declared dead since: named even if nothing failed
         trajs = [t for g in self.batch for t in g.trajs]
         staleness = np.array([step - 1 - t.policy_version for t in trajs], dtype=float)
         acc = self.acc
@@ -536,15 +565,19 @@ class RayPlacement:
     def save(self, step: int, state: dict[str, Any]) -> str | None:
         """Rank 0 writes the usual checkpoint on the run directory (shared storage on a
         multi-node cluster)."""
-        try:
-            ref = self.trainers[0].save.remote(step, state, self.cfg.checkpoint.keep)
-            return _trainer_get(self.waits, ref, f"checkpoint of step {step}")
+        keep = self.cfg.checkpoint.keep
+        every = self.trainers if gathers_on_every_rank(self.cfg) else self.trainers[:1]
+        try:  # FSDP2: every rank joins the gather of the whole model, rank 0 writes it
+            refs = [t.save.remote(step, state, keep) for t in every]
+            return _trainer_get(self.waits, refs, f"checkpoint of step {step}")[0]
         except TrainerGroupFailed as exc:
             self._restart_trainers(exc)
             raise  # not reached: _restart_trainers raises RolledBack
 
     def write_final(self, out_dir: Path) -> None:
-        _trainer_get(self.waits, self.trainers[0].save_final.remote(str(out_dir)), "write final/")
+        every = self.trainers if gathers_on_every_rank(self.cfg) else self.trainers[:1]
+        refs = [t.save_final.remote(str(out_dir)) for t in every]
+        _trainer_get(self.waits, refs, "write final/")
 
     def summary(self) -> dict[str, Any]:
         return {"runner": "ray", **getattr(self, "counters", {})}

@@ -6,11 +6,18 @@ The Ray Jobs API (``ray.job_submission.JobSubmissionClient``) uploads the workin
 environment (``--pip`` packages, environment variables). Inside the job ``RAY_ADDRESS`` is set,
 so a ``runner: ray`` config joins that cluster instead of starting one. With ``--follow`` (the
 default) the job's log is streamed until it ends and the exit status says whether it succeeded.
+
+A head started with Ray's token authentication (``RAY_AUTH_MODE=token``) wants its token on
+every request (``Authorization: Bearer ...``). :func:`read_token` takes it from
+``--token-file FILE``, else ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH`` names,
+else Ray's default ``~/.ray/auth_token``: never from the command line, and it is never printed.
+A missing or wrong token is one line (:class:`SubmitError`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -20,6 +27,45 @@ from typing import Any
 from gyre.config import load_config
 from gyre.engines.credentials import secrets_to_env
 from gyre.runners.placement import require_ray
+
+
+class SubmitError(RuntimeError):
+    """A submission the head refused or could not take (one line)."""
+
+
+def read_token(token_file: str | None = None) -> tuple[str | None, str]:
+    """(the cluster's auth token or None, where it came from -- never the token itself)."""
+    if token_file:
+        path = Path(token_file).expanduser()
+        if not path.is_file():
+            raise SubmitError(f"--token-file '{token_file}': no such file")
+        token, source = path.read_text().strip(), f"--token-file {token_file}"
+    elif os.environ.get("RAY_AUTH_TOKEN"):
+        token, source = os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
+    else:
+        env_path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+        path = Path(env_path or "~/.ray/auth_token").expanduser()
+        if not path.is_file():
+            if env_path:
+                raise SubmitError(f"RAY_AUTH_TOKEN_PATH '{env_path}': no such file")
+            return None, "no token"
+        token = path.read_text().strip()
+        source = "RAY_AUTH_TOKEN_PATH" if env_path else str(path)
+    if not token:
+        raise SubmitError(f"the token from {source} is empty")
+    return token, source
+
+
+def _auth_failure(exc: Exception, address: str, source: str) -> SubmitError:
+    text = str(exc)
+    if "Authentication required" in text:
+        return SubmitError(
+            f"the Ray head at {address} requires a token ({source} given): pass --token-file "
+            "FILE or set RAY_AUTH_TOKEN"
+        )
+    if "Authentication failed" in text:
+        return SubmitError(f"the Ray head at {address} refused the token from {source}")
+    return SubmitError(f"the Ray head at {address}: {text.splitlines()[0] if text else exc!r}")
 
 
 def build_job(
@@ -79,15 +125,24 @@ def submit(
     overrides: list[str],
     runtime: JobRuntime | None = None,
     follow: bool = True,
+    token_file: str | None = None,
 ) -> tuple[str, str]:
     """Submit; return (job id, final status -- or 'PENDING'/'RUNNING' without ``follow``)."""
     require_ray()
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
     r = runtime or JobRuntime()
     job = build_job(config, overrides, r.working_dir, r.pip, r.env_vars, r.python)
-    client = JobSubmissionClient(address)
-    job_id = client.submit_job(**job)
+    token, source = read_token(token_file)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:
+        client = JobSubmissionClient(address, headers=headers)
+        job_id = client.submit_job(**job)
+    except AuthenticationError as exc:
+        raise _auth_failure(exc, address, source) from None
+    except ConnectionError as exc:
+        raise SubmitError(f"cannot reach the Ray dashboard at {address}: {exc}") from None
     print(f"submitted {job_id} to {address}: {job['entrypoint']}", flush=True)
     if not follow:
         return job_id, str(client.get_job_status(job_id).value)

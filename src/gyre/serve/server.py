@@ -405,6 +405,8 @@ def create_app(
 
     from fastapi import FastAPI
 
+    from gyre.serve.memory import add_memory_routes
+
     batcher = Batcher(host, max_batch, batch_wait_ms / 1000.0)
 
     @asynccontextmanager
@@ -423,6 +425,7 @@ def create_app(
     auth = _auth(api_key)
     _info_routes(app, host, batcher, auth)
     _weight_routes(app, host, batcher, auth)
+    add_memory_routes(app, host, batcher, auth)  # sleep / wake: serve/memory.py
     _generation_routes(app, host, batcher, auth, recorder)
     if recorder is not None:
         add_routes(app, batcher, auth, recorder)

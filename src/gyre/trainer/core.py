@@ -224,7 +224,13 @@ class Trainer:
         generators: Mapping[str, Any] | None = None,
     ) -> str | None:
         """A GRPO checkpoint (policy, optimizer, RNGs, ``state``, value model) through the
-        run's :class:`Checkpointer`; None when the write failed and the policy is to go on."""
+        run's :class:`Checkpointer`; None when the write failed and the policy is to go on.
+        Under FSDP2 a collective: every rank calls it, rank 0 writes the gathered whole model
+        (``gyre.trainer.fsdp_checkpoint``), the others return None."""
+        if self._sharded():
+            from gyre.trainer.fsdp_checkpoint import save_gathered
+
+            return save_gathered(self, ckpt, step, state, metrics_path, generators)
         extra = self.value_model.save if self.value_model is not None else None
         return ckpt.save(
             "grpo",
@@ -239,10 +245,18 @@ class Trainer:
             extra=extra,
         )
 
+    def _sharded(self) -> bool:
+        return hasattr(self.comm, "mirror")  # FSDPCollective: parameters are DTensor shards
+
     def restore(self, ckpt: Path, generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Optimizer, RNGs and value model from a checkpoint (the policy was loaded by
         :meth:`build` from its ``model/``); returns its ``state.json``."""
-        state = load_into(ckpt, self.optimizer, self.scheduler, generators)
+        optimizer: Any = self.optimizer
+        if self._sharded():  # every rank reads the whole optimizer.pt and keeps its shard
+            from gyre.trainer.fsdp_checkpoint import ShardedOptimizerLoad
+
+            optimizer = ShardedOptimizerLoad(self.model, self.optimizer)
+        state = load_into(ckpt, optimizer, self.scheduler, generators)
         if self.value_model is not None:
             self.value_model.load(ckpt)
         return state
@@ -269,12 +283,17 @@ def _join_group(
     if strategy == "fsdp2":
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        from gyre.trainer.fsdp_checkpoint import make_mirror
+
+        mirror = make_mirror(model, rank)  # before sharding: checkpoints hold the whole model
         model = shard_fsdp2(model)
+        comm = FSDPCollective()
+        comm.mirror = mirror
         if cfg.train.algo.skip_zero_advantage:
             # every FSDP2 rank must run the same backward passes (each is a collective)
             cfg = cfg.model_copy(deep=True)
             cfg.train.algo.skip_zero_advantage = False
-        return model, FSDPCollective(), cfg
+        return model, comm, cfg
     comm = TorchCollective()
     comm.broadcast_parameters(model)
     return model, comm, cfg

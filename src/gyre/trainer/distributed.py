@@ -81,6 +81,9 @@ class FSDPCollective(TorchCollective):
         nccl = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         self.device = self.device or torch.device("cpu")
+        # rank 0: a plain CPU copy of the model that whole-model checkpoints are written from
+        # (gyre.trainer.fsdp_checkpoint); None on the other ranks
+        self.mirror: torch.nn.Module | None = None
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         out = value.detach().clone().float().to(self.device)

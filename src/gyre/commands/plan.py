@@ -1,0 +1,206 @@
+"""``gyre plan``: where should the devices go? Step time, utilisation and idle time per placement.
+
+From measured per-role throughputs and one step's work it predicts, for N nodes (one device
+each, or one node = one unit of whatever a role reserves), every placement gyre runs:
+
+    inputs   g  rollout tokens/s of one engine         R  tokens generated per step
+             t  trainer tokens/s of one rank            T  tokens trained per step
+             s  sync seconds per GB of weights          W  GB of weights synced per step
+             o  fixed driver seconds per step           h  colocated hand-over seconds per step
+    times    gen = R / (g r)      train = T / (t m)     sync = s W
+             (r rollout nodes, m trainer nodes; data parallel over m ranks is taken as linear)
+
+    colocated       r = m = N      step = gen + train + sync + h + o
+    disaggregated   r + m = N      step = gen + train + sync + o              (mode sync)
+    one-step-off    r + m = N      step = max(gen, train + sync) + o
+    async           r + m = N      step = max(gen, train + sync) + o          (steady state)
+
+    utilisation     rollout = gen / step, trainer = train / step (colocated: (gen + train) / step
+                    on every node); idle fraction = 1 - (r gen + m train) / (N step)
+
+async is given the same bound as one-step-off: in steady state generation cannot outrun training
+by more than the staleness bound, so both are limited by the slower role; async only absorbs the
+step-to-step jitter of the two times, which this model of mean times does not see. For each mode
+with a split the planner tries every r = 1 .. N-1 and reports the split with the shortest step.
+
+The inputs come from a finished run (``gyre plan RUN_DIR``: medians over its steps after the
+first, see :func:`measure`) or from the command line. docs/cluster.md shows the calibration on
+a local multi-node Ray cluster and the comparison with published step-time breakdowns.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MODES = ("colocated", "disaggregated", "one-step-off", "async")
+
+
+@dataclass
+class Throughputs:
+    rollout_tokens_per_s: float  # one engine (g)
+    trainer_tokens_per_s: float  # one rank (t)
+    sync_s_per_gb: float  # (s)
+    overhead_s: float = 0.0  # driver glue per step (o)
+    handover_s: float = 0.0  # colocated: engine sleep + wake and trainer offload per step (h)
+
+
+@dataclass
+class Workload:
+    rollout_tokens: float  # generated per step (R)
+    train_tokens: float  # trained per step (T)
+    weights_gb: float  # synced per step (W)
+
+
+@dataclass
+class Prediction:
+    mode: str
+    rollout_nodes: int
+    trainer_nodes: int
+    gen_s: float
+    train_s: float
+    sync_s: float
+    step_s: float
+    util_rollout: float
+    util_trainer: float
+    idle_frac: float
+
+
+def predict(
+    tp: Throughputs, wl: Workload, mode: str, nodes: int, rollout_nodes: int = 0
+) -> Prediction:
+    """One placement's step time (see the module docstring for the formulas)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}; valid: {', '.join(MODES)}")
+    if mode == "colocated":
+        r = m = nodes
+    else:
+        r, m = rollout_nodes, nodes - rollout_nodes
+        if r < 1 or m < 1:
+            raise ValueError(f"{mode} needs 1 <= rollout nodes < {nodes} (got {r})")
+    gen = wl.rollout_tokens / (tp.rollout_tokens_per_s * r)
+    train = wl.train_tokens / (tp.trainer_tokens_per_s * m)
+    sync = tp.sync_s_per_gb * wl.weights_gb
+    if mode == "colocated":
+        step = gen + train + sync + tp.handover_s + tp.overhead_s
+        busy = (gen + train) / step
+        return Prediction(mode, r, m, gen, train, sync, step, busy, busy, 1 - busy)
+    if mode == "disaggregated":
+        step = gen + train + sync + tp.overhead_s
+    else:
+        step = max(gen, train + sync) + tp.overhead_s
+    idle = 1 - (r * gen + m * train) / (nodes * step)
+    return Prediction(mode, r, m, gen, train, sync, step, gen / step, train / step, idle)
+
+
+def plan(tp: Throughputs, wl: Workload, nodes: int) -> list[Prediction]:
+    """The best split of every mode over ``nodes`` (colocated needs no split), fastest first."""
+    out = [predict(tp, wl, "colocated", nodes)]
+    for mode in MODES[1:]:
+        if nodes >= 2:
+            splits = [predict(tp, wl, mode, nodes, r) for r in range(1, nodes)]
+            out.append(min(splits, key=lambda p: p.step_s))
+    return sorted(out, key=lambda p: p.step_s)
+
+
+def _median(rows: list[dict], key: str) -> float:
+    values = [float(r[key]) for r in rows if r.get(key) is not None]
+    if not values:
+        raise ValueError(f"metrics.jsonl has no '{key}' after step 1 (a Ray run logs it)")
+    return statistics.median(values)
+
+
+def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
+    """Throughputs and one step's work from a Ray run's ``metrics.jsonl`` (medians over the
+    steps after the first; best from a ``ray.mode=sync`` run, whose phases do not overlap)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics (give a finished run's run.dir)")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "train/loss" in r and r.get("step", 0) > 1]
+    if not rows:
+        raise ValueError(f"{path}: no step after the first to measure")
+    samples = _median(rows, "perf/samples_per_s") * _median(rows, "time/step_s")
+    rollout_tokens = samples * _median(rows, "rollout/response_tokens_mean")
+    gen = _median(rows, "time/gen_actor_s")
+    train_tokens = _median(rows, "train/tokens")
+    train = _median(rows, "time/trainer_update_s")
+    gb = _median(rows, "sync/bytes") / 1e9
+    sync = _median(rows, "time/sync_gather_s") + _median(rows, "time/sync_load_s")
+    step = _median(rows, "time/step_s")
+    # what the step spends beyond the actors' work: Ray calls, data transfer, the driver's loop
+    overhead = max(0.0, step - gen - train - sync)
+    tp = Throughputs(rollout_tokens / gen, train_tokens / train, sync / gb if gb else 0.0, overhead)
+    return tp, Workload(rollout_tokens, train_tokens, gb)
+
+
+def format_plan(preds: list[Prediction], nodes: int) -> str:
+    head = f"{'mode':<14} {'rollout':>7} {'trainer':>7} {'gen s':>7} {'train s':>7} "
+    head += f"{'sync s':>7} {'step s':>7} {'util r':>6} {'util t':>6} {'idle':>5}"
+    lines = [head]
+    for p in preds:
+        lines.append(
+            f"{p.mode:<14} {p.rollout_nodes:>7} {p.trainer_nodes:>7} {p.gen_s:>7.3f} "
+            f"{p.train_s:>7.3f} {p.sync_s:>7.3f} {p.step_s:>7.3f} {p.util_rollout:>6.0%} "
+            f"{p.util_trainer:>6.0%} {p.idle_frac:>5.0%}"
+        )
+    best = preds[0]
+    split = "all nodes both roles" if best.mode == "colocated" else (
+        f"{best.rollout_nodes} rollout + {best.trainer_nodes} trainer nodes"
+    )  # fmt: skip
+    lines.append(f"best over {nodes} nodes: {best.mode}, {split}: {best.step_s:.3f} s per step")
+    return "\n".join(lines)
+
+
+def run_plan(run_dir: str | None, nodes: int, given: dict[str, float], as_json: bool) -> str:
+    """``gyre plan``: measure (or take ``given``), plan, format."""
+    if run_dir:
+        tp, wl = measure(Path(run_dir))
+    else:
+        tp, wl = Throughputs(0, 0, 0), Workload(0, 0, 0)
+    for k, v in given.items():
+        target = tp if k in Throughputs.__dataclass_fields__ else wl
+        setattr(target, k, v)
+    needed = {
+        "rollout_tokens_per_s": tp.rollout_tokens_per_s,
+        "trainer_tokens_per_s": tp.trainer_tokens_per_s,
+        "rollout_tokens": wl.rollout_tokens,
+        "train_tokens": wl.train_tokens,
+    }
+    for name, value in needed.items():
+        if value <= 0:
+            flag = name.replace("_", "-")
+            raise ValueError(f"--{flag} must be > 0 (give a RUN_DIR to measure it)")
+    preds = plan(tp, wl, nodes)
+    if as_json:
+        return json.dumps(
+            {"throughputs": asdict(tp), "workload": asdict(wl),
+             "predictions": [asdict(p) for p in preds]}, indent=1,
+        )  # fmt: skip
+    return format_plan(preds, nodes)
+
+
+def main(argv: list[str]) -> int:
+    """``gyre plan [RUN_DIR] --nodes N [--rollout-tokens-per-s X ...] [--json]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="gyre plan",
+        description="Predict step time, per-role utilisation and idle time of every placement "
+        "over N nodes, from a finished Ray run's measured throughputs (RUN_DIR) and/or the "
+        "figures given; print the fastest split.",
+    )
+    p.add_argument("run_dir", nargs="?", help="a finished Ray run (ray.mode=sync is best)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes (devices) to split")
+    fields = [*Throughputs.__dataclass_fields__, *Workload.__dataclass_fields__]
+    for name in fields:
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, help="overrides the measured")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    ns = p.parse_args(argv)
+    if ns.nodes < 1:
+        raise ValueError("--nodes must be >= 1")
+    given = {k: getattr(ns, k) for k in fields if getattr(ns, k) is not None}
+    print(run_plan(ns.run_dir, ns.nodes, given, ns.json))
+    return 0

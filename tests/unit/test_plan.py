@@ -1,0 +1,64 @@
+"""``gyre plan``: the step-time model with hand numbers, the best split, measuring a run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gyre.cli import main
+from gyre.commands.plan import Throughputs, Workload, measure, plan, predict
+
+# g = 100 tok/s per engine, t = 300 tok/s per rank, 2 s per GB; R = 1200, T = 1800 tokens, 1 GB
+TP = Throughputs(100.0, 300.0, 2.0, overhead_s=0.5, handover_s=1.0)
+WL = Workload(1200.0, 1800.0, 1.0)
+
+
+def test_hand_computed_step_times():
+    # 4 nodes. colocated: gen 1200/(100*4) = 3, train 1800/(300*4) = 1.5, sync 2, h 1, o 0.5
+    c = predict(TP, WL, "colocated", 4)
+    assert (c.gen_s, c.train_s, c.sync_s, c.step_s) == (3.0, 1.5, 2.0, 8.0)
+    assert c.util_rollout == c.util_trainer == pytest.approx(4.5 / 8) and c.idle_frac == 0.4375
+    # 3 rollout + 1 trainer: gen 4, train 6, sync 2
+    d = predict(TP, WL, "disaggregated", 4, 3)
+    assert (d.gen_s, d.train_s, d.step_s) == (4.0, 6.0, 12.5)
+    assert d.idle_frac == pytest.approx(1 - (3 * 4 + 1 * 6) / (4 * 12.5))
+    o = predict(TP, WL, "one-step-off", 4, 3)
+    assert o.step_s == 8.5 and o.util_trainer == pytest.approx(6 / 8.5)  # max(4, 6 + 2) + 0.5
+    assert predict(TP, WL, "async", 4, 3).step_s == o.step_s
+
+
+def test_best_split_and_refusals():
+    preds = plan(TP, WL, 4)
+    assert [p.step_s for p in preds] == sorted(p.step_s for p in preds)
+    best = {p.mode: p for p in preds}
+    # one-step-off: r=1: max(12, 2+2)=12; r=2: max(6, 3+2)=6; r=3: max(4, 6+2)=8 -> r=2
+    assert best["one-step-off"].rollout_nodes == 2 and best["one-step-off"].step_s == 6.5
+    assert preds[0].mode == "one-step-off"
+    with pytest.raises(ValueError, match="needs 1 <= rollout nodes < 4"):
+        predict(TP, WL, "one-step-off", 4, 4)
+    with pytest.raises(ValueError, match="valid: colocated"):
+        predict(TP, WL, "pipelined", 4, 2)
+
+
+def test_measure_reads_a_runs_metrics_and_the_cli_prints_the_best(tmp_path, capsys):
+    rows = [{"step": 1, "train/loss": 0.0}]  # the first step is left out (start-up)
+    for step in (2, 3, 4):
+        rows.append({
+            "step": step, "train/loss": 0.1, "perf/samples_per_s": 16.0, "time/step_s": 2.0,
+            "rollout/response_tokens_mean": 10.0, "time/gen_actor_s": 0.8, "train/tokens": 600.0,
+            "time/trainer_update_s": 1.0, "sync/bytes": 1e8, "time/sync_gather_s": 0.05,
+            "time/sync_load_s": 0.05,
+        })  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tp, wl = measure(tmp_path)
+    assert wl.rollout_tokens == 320.0 and tp.rollout_tokens_per_s == 400.0  # 32 samples x 10
+    assert tp.trainer_tokens_per_s == 600.0 and tp.sync_s_per_gb == pytest.approx(1.0)
+    assert tp.overhead_s == pytest.approx(2.0 - 0.8 - 1.0 - 0.1)
+    # the run itself (1 + 1, sync) is predicted as measured
+    assert predict(tp, wl, "disaggregated", 2, 1).step_s == pytest.approx(2.0)
+    assert main(["plan", str(tmp_path), "--nodes", "2"]) == 0
+    # colocated on both nodes: gen 320/(400*2) = 0.4, train 600/(600*2) = 0.5, sync 0.1, o 0.1
+    assert "best over 2 nodes: colocated, all nodes both roles: 1.100 s" in capsys.readouterr().out
+    assert main(["plan", "--nodes", "2"]) == 1
+    assert "--rollout-tokens-per-s must be > 0" in capsys.readouterr().err
