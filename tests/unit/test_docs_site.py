@@ -163,3 +163,12 @@ def test_diary_check_can_fail() -> None:
     ]
     assert diary_references(f"maze_{s.lower()}6.yaml") == [f"_{s.lower()}6"]
     assert diary_references("an HTTP session, the engine's session id, sessions of a server") == []
+
+
+def test_readme_is_short_and_its_links_exist() -> None:
+    """The README is a user's first page: at most 150 lines, every relative link a real file."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    links = re.findall(r"\]\(([^)#\s]+)", text)
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert missing == []
