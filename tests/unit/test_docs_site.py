@@ -130,8 +130,9 @@ def test_every_run_page_has_blocks_and_unmarked_ones_fail(tmp_path: Path) -> Non
         _run_page(bad, tmp_path / "w", slow=False)
 
 
-# A numbered reference to the project's work history: "session 19", "issue 20", "sessions 2-6",
-# a fixture named like "maze_session6". (Built from parts so that this file does not match.)
+# A numbered reference to the project's work history: the words for a work session or an
+# issue followed by a number, or a fixture named after one (test_diary_check_can_fail shows
+# each). Built from parts so that this file does not match itself.
 DIARY_RE = re.compile(
     r"(?i)(\b" + "session" + r"s?[ _-]?\d+|_" + "session" + r"\d|\b" + "issue" + r"s? ?#?\d+\b)"
 )
@@ -162,3 +163,12 @@ def test_diary_check_can_fail() -> None:
     ]
     assert diary_references(f"maze_{s.lower()}6.yaml") == [f"_{s.lower()}6"]
     assert diary_references("an HTTP session, the engine's session id, sessions of a server") == []
+
+
+def test_readme_is_short_and_its_links_exist() -> None:
+    """The README is a user's first page: at most 150 lines, every relative link a real file."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    links = re.findall(r"\]\(([^)#\s]+)", text)
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert missing == []
