@@ -6,7 +6,7 @@ episode's first blocked move, the policy's probabilities of u, d, l, r (temperat
 Prints a few blocked states (the view, the move, the four probabilities), the failures counted
 by the state of their first blocked move -- (number of open moves, whether all are visited) --
 or ``no bump``, and the margin p(blocked move) - p(best open move) over those states
-(docs/maze-experiments.md, "Session 12").
+(docs/results/maze.md, "Levers measured against the weak-teacher recipe").
 """
 
 from __future__ import annotations

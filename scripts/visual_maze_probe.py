@@ -8,7 +8,7 @@ rule is scored on its own, and on the turns where the rules disagree.
 Prints the turns' shares (description exact, each of its fields right, the move the teacher's --
 any of its rules' --, each rule's, bumps), on the turns where the rules disagree the share that
 took each, and the failed episodes counted by their first move other than the teacher's: after
-a wrong description, after a right one, or none (docs/vision.md, "Session 22", "Session 23").
+a wrong description, after a right one, or none (docs/results/visual-maze.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``gyre``: train | sft | eval | verify-resume | report | serve | export | submit.
+"""``gyre``: train | sft | eval | verify-resume | report | serve | export | import | submit.
 
     gyre train [CONFIG.yaml] [key=value ...]   SFT warm start (if sft.steps > 0), then GRPO
     gyre sft   [CONFIG.yaml] [key=value ...]   SFT only; writes <run.dir>/sft/
@@ -7,6 +7,7 @@
     gyre report RUN_DIR [--out FILE] [--watch]  HTML report of a finished or running run
     gyre serve MODEL_DIR [--host H] [--port N] [--api-key KEY]   OpenAI-compatible server
     gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
+    gyre import FILE.gguf --out DIR            a GGUF checkpoint as a Hugging Face folder
     gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
 
 Exit codes: 0 done, 1 error, 2 config or input error (a key, a file, a dataset row: named on
@@ -14,8 +15,11 @@ one line), 3 aborted by a fault policy (faults.*, or nan/inf weights after an up
 on SIGTERM/SIGINT after a checkpoint (resume with run.resume=auto), 130 second signal. Errors
 are one line on stderr; ``--debug`` also prints the traceback.
 
-With no config file the built-in maze default is used. Keys are dotted config paths, e.g.
-``run.dir=runs/x train.steps=20 model.path=/models/my-llm``; ``--help-config`` lists them all.
+With no config file, ``gyre train`` and ``gyre sft`` run the shipped maze recipe
+(``gyre/recipes/maze.yaml``, the same file as examples/maze/config.yaml) unless the keys name
+another ``env.name`` or a ``model.path``; then the fields' defaults. Keys are dotted config
+paths, e.g. ``run.dir=runs/x train.steps=20 model.path=/models/my-llm``; ``--help-config``
+lists them all with the values the recipe runs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import Config, ConfigError, describe_fields, load_config
+from gyre.config.loading import default_config_path
 from gyre.errors import InputError, disk_full_message, is_disk_full
 
 _KEYS_HELP = """common keys (all of them: gyre --help-config):
@@ -36,7 +41,7 @@ _KEYS_HELP = """common keys (all of them: gyre --help-config):
   run.resume=auto       continue from the newest valid checkpoint (or never, or a path)
   run.overwrite=true    with run.resume=never, delete an earlier run in run.dir
   run.device=cpu        cpu, cuda, cuda:N or auto
-  model.path=DIR        a local Hugging Face causal-LM folder (default: build the tiny model)
+  model.path=DIR|ID     a Hugging Face causal-LM folder or hub id (default: the tiny model)
   sft.steps=N           SFT steps before GRPO (0 skips SFT)
   train.steps=N         GRPO steps
   eval.episodes=N       held-out episodes per evaluation
@@ -53,7 +58,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "train.steps=20\n  gyre train run.dir=runs/a run.resume=auto\n"
         "  gyre eval model.path=runs/a/final eval.episodes=500",
     )
-    parser.add_argument("--help-config", action="store_true", help="list every config key")
+    parser.add_argument(
+        "--help-config",
+        action="store_true",
+        help="list every config key with the value `gyre train` uses (the maze recipe)",
+    )
     parser.add_argument(
         "--debug", action="store_true", help="on an error, also print the traceback"
     )
@@ -93,6 +102,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     path = None
     if args and "=" not in args[0]:
         path = args.pop(0)
+    elif ns.command in ("train", "sft"):
+        path = default_config_path(args)
+        if path is not None:  # stdout: stderr is for errors
+            print(f"gyre: no config file: the maze recipe {path} (gyre --help-config)", flush=True)
     return ns, load_config(path, args)
 
 
@@ -209,11 +222,12 @@ def _run(argv: list[str]) -> int:
         from gyre.telemetry.report import main as report_main
 
         return report_main(argv[1:])
-    if argv and argv[0] in ("serve", "export"):  # these take paths and flags, not config keys
-        from gyre.commands import export
+    if argv and argv[0] in ("serve", "export", "import"):  # paths and flags, not config keys
+        from gyre.commands import export, import_gguf
         from gyre.serve import server
 
-        return {"serve": server.main, "export": export.main}[argv[0]](argv[1:])
+        mains = {"serve": server.main, "export": export.main, "import": import_gguf.main}
+        return mains[argv[0]](argv[1:])
     ns, cfg = _parse(argv)
     from rich.console import Console
 
@@ -273,14 +287,16 @@ def _eval(cfg: Config, console: Any) -> int:
         return 2
     from gyre import loop
     from gyre.checkpoint.files import check_manifest
+    from gyre.models.hub import resolve_model_path
 
-    check_manifest(Path(cfg.model.path))  # a gyre-written folder must match its manifest
+    folder = resolve_model_path(cfg.model.path)
+    check_manifest(folder)  # a gyre-written folder must match its manifest
     run_dir, device = loop.setup(cfg)
     from gyre.engines.factory import run_torch_engine
     from gyre.models.build import load_pretrained
     from gyre.rollout import Rollout
 
-    model, tok = load_pretrained(Path(cfg.model.path), device)
+    model, tok = load_pretrained(folder, device)
     engine = run_torch_engine(cfg, model, tok)
     res = Rollout(cfg, engine, tok).evaluate()
     (run_dir / "eval.json").write_text(json.dumps(res, indent=2))

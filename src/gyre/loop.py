@@ -45,6 +45,7 @@ from gyre.config import Config, dump_config, resolve_run_dir
 from gyre.envs import env_factory
 from gyre.errors import ensure_writable_dir
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer, resolve_device
+from gyre.models.hub import resolve_model_path
 from gyre.rollout.core import rollout_metrics
 from gyre.rollout.evaluate import demonstrator_success
 from gyre.sft import run_sft
@@ -112,9 +113,10 @@ def setup(cfg: Config, fresh_check: bool = False) -> tuple[Path, torch.device]:
 
 
 def base_model_path(cfg: Config, run_dir: Path) -> Path:
-    """``model.path`` if given, else the tiny default built (once) under ``<run.dir>/init``."""
+    """``model.path`` if given (a hub id resolved to its local snapshot), else the tiny default
+    built (once) under ``<run.dir>/init``."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        return resolve_model_path(cfg.model.path)
     init = run_dir / "init"
     if not (init / "config.json").is_file():
         stage = run_dir / ".tmp_init"
@@ -171,6 +173,8 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
             policy, ref = warm_start(cfg, run_dir, device, ckpt, plan, guard)
             tok, make_env = load_tokenizer(ref), env_factory(cfg.env)
             out = build_telemetry(cfg, run_dir, tok, sink, make_env=make_env)
+            for note in cfg.adapted():  # values a check filled in (config.yaml holds them)
+                out.message(note)
             placement.start(run_dir, policy, ref, plan, out, ckpt)
             state = _steps(cfg, placement, out, plan, run_dir, guard)
             placement.write_final(run_dir / "final")

@@ -28,7 +28,7 @@ ROOT = HERE.parents[1]
 # name -> (config file or None for the built-in default, overrides)
 RUNS: dict[str, tuple[str | None, list[str]]] = {
     "maze": (
-        "tests/golden/maze_session6.yaml",
+        "tests/golden/maze_compass.yaml",
         [
             "sft.steps=3",
             "sft.demos=200",

@@ -94,6 +94,14 @@ def test_dataset_env_with_math_verify_and_a_custom_term(tmp_path):
         assert r["rollout/reward_mean"] == pytest.approx(r["reward/total_mean"])
         assert 0.0 <= r["reward/math_answer_mean"] <= 1.0 and r["reward/len_mean"] > 0
     assert not (run_dir / "reward_failures.jsonl").exists()
+    # the held-out evaluation scores with the same reward as training, term by term
+    evals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    evals = [r for r in evals if "eval/reward_greedy" in r]
+    assert evals
+    for r in evals:
+        expected = r["eval/reward_math_answer_greedy"] - 0.1 * r["eval/reward_len_greedy"]
+        assert r["eval/reward_greedy"] == pytest.approx(expected)
+        assert r["eval/reward_len_greedy"] > 0 and r["eval/reward_env_greedy"] >= 0
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from gyre.trainer.update import resolve_old_logprobs
 
 def test_defaults_are_the_maze_defaults_update():
     """The PPO-clip GRPO update, with the embedded maze default's sampling temperature (0.6)
-    and zero-advantage rows left out of the forward/backward (docs/maze-experiments.md)."""
+    and zero-advantage rows left out of the forward/backward (docs/results/maze.md)."""
     t = load_config().train
     a = t.algo
     got = {

@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gyre.config import Config, ConfigError, describe_fields, dump_config, load_config
+from gyre.config import (
+    Config,
+    ConfigError,
+    describe_fields,
+    dump_config,
+    load_config,
+    load_recipe,
+    recipe_path,
+)
+from gyre.config.loading import default_config_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,15 +184,45 @@ def test_every_example_config_validates(path):
     assert cfg.env.name
 
 
-def test_maze_example_is_the_embedded_default():
-    """`gyre train` and `gyre train examples/maze/config.yaml` must run the same experiment."""
-    assert load_config(ROOT / "examples" / "maze" / "config.yaml") == load_config(None)
+def test_maze_example_is_the_shipped_recipe():
+    """`gyre train` and `gyre train examples/maze/config.yaml` run the same experiment: the
+    example is the very file the package ships, and no code changes a value of it."""
+    example = ROOT / "examples" / "maze" / "config.yaml"
+    assert example.read_bytes() == recipe_path("maze").read_bytes()
+    assert load_config(example) == load_recipe()
+    assert default_config_path([]) == recipe_path("maze")
+    assert default_config_path(["train.steps=3", "env.maze.size=6"]) == recipe_path("maze")
+    assert default_config_path(["env.name=arithmetic"]) is None
+    assert default_config_path(["model.path=some/folder"]) is None
+
+
+def test_no_hidden_recipe_config_is_the_fields_defaults():
+    """``Config()`` (and ``load_config(None)``) is the fields' own defaults whatever the env: the
+    maze recipe's memoryless window and level replay come only from its file."""
+    cfg = Config()
+    assert cfg.env.name == "maze"
+    assert cfg.rollout.history_turns is None and cfg.rollout.keep_opening
+    assert cfg.train.level_replay.prob == 0.0
+    assert load_config(None) == cfg
+    recipe = load_recipe()
+    assert recipe.rollout.history_turns == 0 and not recipe.rollout.keep_opening
+    assert recipe.train.level_replay.prob == 0.5
+    with pytest.raises(ConfigError, match="shipped: maze"):
+        recipe_path("no_such_recipe")
+
+
+def test_help_config_shows_the_recipe_values_and_the_field_defaults():
+    lines = {line.split(" = ")[0]: line for line in describe_fields()}
+    assert lines["rollout.history_turns"].startswith("rollout.history_turns = 0  #")
+    assert lines["rollout.history_turns"].endswith("(field default: None)")
+    assert lines["train.level_replay.prob"].startswith("train.level_replay.prob = 0.5  #")
+    assert "field default" not in lines["train.steps"]  # the recipe's 150 is the field's too
 
 
 def test_maze_long_differs_from_the_default_only_in_budget_and_selection():
     """examples/maze-long: the default's task and recipe, more GRPO steps, validation choice."""
     long = load_config(ROOT / "examples" / "maze-long" / "config.yaml")
-    default = load_config(None)
+    default = load_recipe()
     assert long.env == default.env and long.sft == default.sft
     assert long.train.steps > default.train.steps
     assert long.train.model_copy(update={"steps": default.train.steps}) == default.train

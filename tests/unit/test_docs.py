@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from repo_files import tracked_text_files
+
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "gyre"
 DOCS = [ROOT / "docs" / "architecture.md", ROOT / "CONTRIBUTING.md"]
@@ -191,3 +193,26 @@ def test_checks_catch_bogus_references() -> None:
     block = "`gyre.trainer.core.Trainer`\n```python\ntrainer.no_such(step)\n```\n"
     assert missing_interface_names(block) == ["gyre.trainer.core.Trainer.no_such"]
     assert missing_paths("`src/gyre/loop.py`") == [] and missing_dotted("`gyre.loop.train`") == []
+
+
+# "=======" alone is also a Markdown heading underline, so only the two outer markers count.
+CONFLICT_RE = re.compile(r"^(<{7}|>{7}) ", re.M)
+
+
+def conflict_markers(text: str) -> list[str]:
+    return [m.group(0).strip() for m in CONFLICT_RE.finditer(text)]
+
+
+def test_no_merge_conflict_markers_anywhere() -> None:
+    bad = [
+        str(p.relative_to(ROOT))
+        for p in tracked_text_files()
+        if conflict_markers(p.read_text(encoding="utf-8"))
+    ]
+    assert bad == [], f"unresolved merge conflict markers in {bad}"
+
+
+def test_conflict_check_can_fail() -> None:
+    marked = "a\n" + "<" * 7 + " HEAD\nb\n" + "=" * 7 + "\nc\n" + ">" * 7 + " other\n"
+    assert conflict_markers(marked) == ["<" * 7, ">" * 7]
+    assert conflict_markers("a heading\n=======\n") == []

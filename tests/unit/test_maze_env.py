@@ -520,73 +520,6 @@ def test_unknown_demonstrator_rejected():
         MazeEnv(demonstrator="oracle")
 
 
-@pytest.mark.parametrize("observation", ["exits", "compass"])
-def test_bump_feedback_marks_the_view_after_a_blocked_move(observation):
-    """env.maze.bump_feedback: the view after a move into a wall starts with '!', the next
-    legal move clears it; the bump still costs a move; without the flag the views are the
-    plain ones (and equal to the flagged ones wherever no move was blocked)."""
-
-    def blocked(env: MazeEnv, move: str) -> bool:
-        rc = _target(env, move)
-        return not _inside(env, rc) or bool(env.walls[rc])
-
-    def legal(env: MazeEnv, move: str) -> bool:
-        return not blocked(env, move)
-
-    plain = MazeEnv(observation=observation, view=2)
-    flagged = MazeEnv(observation=observation, view=2, bump_feedback=True)
-    seed, wall = _find(blocked, plain)
-    assert flagged.reset(seed) == plain.reset(seed)
-    obs, _, _, info = flagged.step(wall)
-    obs_plain, _, _, _ = plain.step(wall)
-    assert obs == "!" + obs_plain and info["bumps"] == 1 and info["moves"] == 1
-    assert flagged.step(wall)[0] == obs  # blocked again: still marked, the same view
-    plain.step(wall)
-    go = next(m for m in MOVES if legal(flagged, m))
-    obs, _, done, info = flagged.step(go)
-    assert obs == plain.step(go)[0] and not obs.startswith("!")  # a legal move clears it
-    assert info["moves"] == 3 and info["bumps"] == 2
-    if not done:  # a malformed action wastes a move but is not a blocked one
-        assert flagged.step("xyz")[0] == plain.step("xyz")[0]
-    assert load_config(None, []).env.maze.bump_feedback is False
-
-
-@pytest.mark.parametrize("view", [1, 2])
-def test_closer_mark_and_compass_offset_rewrite_only_their_part_of_the_view(view):
-    """env.maze.closer_mark: '*' follows the cell of exactly the open moves whose cell is nearer
-    the goal (Manhattan); offset_letters=nswe writes the goal offset in N S W E. Without both,
-    the views are the plain ones, on every turn of random walks."""
-    import re
-
-    plain = MazeEnv(observation="exits", view=view)
-    marked = MazeEnv(observation="exits", view=view, closer_mark=True, offset_letters="nswe")
-    rng = np.random.default_rng(5)
-    back = str.maketrans("NSWE", "udlr")
-    marks = 0
-    for seed in range(20):
-        obs, want = marked.reset(seed), plain.reset(seed)
-        while True:
-            assert obs.replace("*", "").translate(back) == want
-            last = obs.split("\n")[-1]
-            offset = last.split(" ")[0 if view == 2 else -1]
-            assert re.fullmatch(r"[NS]\d+[WE]\d+>?", offset), last
-            gr, gc = plain.goal
-            here = abs(gr - plain.pos[0]) + abs(gc - plain.pos[1])
-            for name, _cell, mark in re.findall(r"([udlr])([.+G])(\*?)", last):
-                nb = _target(plain, name)
-                assert (mark == "*") == (abs(gr - nb[0]) + abs(gc - nb[1]) < here), last
-                marks += mark == "*"
-            if plain.done:
-                break
-            move = plain.random_action(rng)
-            obs, want = marked.step(move)[0], plain.step(move)[0]
-    assert marks > 0
-    with pytest.raises(ValueError, match="offset_letters"):
-        MazeEnv(offset_letters="xyzw")
-    cfg = load_config(None, ["env.maze.closer_mark=true", "env.maze.offset_letters=nswe"])
-    assert (cfg.env.maze.closer_mark, cfg.env.maze.offset_letters) == (True, "nswe")
-
-
 TEACHERS = ("lookahead", "careful")
 
 
@@ -612,61 +545,6 @@ def test_careful_demonstrator_prefers_unvisited_cells_and_solves_about_ninety_pe
         assert info["bumps"] == 0
         wins += info["success"]
     assert wins / 300 > 0.85
-
-
-def test_dead_end_noise_moves_enter_a_visible_dead_end():
-    """env.maze.noise_moves=dead_end: a noise move goes into a neighbouring dead end when there
-    is one (the hand maze: left, (2, 1)); the goal never counts as one; elsewhere (no dead end
-    next to the agent) it is uniform over u, d, l, r, like the default."""
-    walls = _hand_walls()
-    env = MazeEnv(view=2, observation="exits", noise_moves="dead_end")
-    env.walls, env.goal, env.pos = walls, (0, 0), (2, 2)
-    rng = np.random.default_rng(0)
-    assert {env.random_action(rng) for _ in range(20)} == {"l"}
-    env.pos = (0, 1)  # next to the goal, a cell with nothing open beyond it: not a dead end
-    env.goal = (0, 0)
-    assert env._dead_end(0, -1) is False
-    env.pos = (4, 3)  # right (4, 4) is a dead end; nothing else is
-    assert {env.random_action(rng) for _ in range(20)} == {"r"}
-    env.pos = (2, 3)  # no dead end next to it: every move
-    assert {env.random_action(rng) for _ in range(200)} == set(MOVES)
-    uniform = MazeEnv(view=2, observation="exits")
-    uniform.walls, uniform.goal, uniform.pos = walls, (0, 0), (2, 2)
-    assert {uniform.random_action(rng) for _ in range(200)} == set(MOVES)
-    with pytest.raises(ValueError, match="noise_moves"):
-        MazeEnv(noise_moves="walls")
-    assert load_config(None, ["env.maze.noise_moves=dead_end"]).env.maze.noise_moves == "dead_end"
-
-
-def test_nearest_exit_order_lists_the_greedy_move_first():
-    """env.maze.exit_order=nearest: the same entries as u, d, l, r order, sorted by the
-    Manhattan distance of their cell to the goal (stable: ties keep u, d, l, r), so the greedy
-    demonstrator's move is the first letter after the goal offset, on every turn."""
-    import re
-
-    plain = MazeEnv(observation="exits", view=2, demonstrator="greedy")
-    near = MazeEnv(observation="exits", view=2, demonstrator="greedy", exit_order="nearest")
-    rng = np.random.default_rng(9)
-    for seed in range(30):
-        obs, want = near.reset(seed), plain.reset(seed)
-        while True:
-            offset, *entries = obs.split("\n")[-1][:-1].split(" ")
-            p_offset, *p_entries = want.split("\n")[-1][:-1].split(" ")
-            assert offset == p_offset and sorted(entries) == sorted(p_entries)
-            gr, gc = near.goal
-            dist = [abs(gr - _target(near, e[0])[0]) + abs(gc - _target(near, e[0])[1])
-                    for e in entries]  # fmt: skip
-            assert dist == sorted(dist)
-            assert [e for e in entries if re.match(r"[udlr]", e)] == entries
-            if entries:
-                assert entries[0][0] == near.expert_action(None)
-            if near.done:
-                break
-            move = near.random_action(rng) if rng.random() < 0.3 else near.expert_action(None)
-            obs, want = near.step(move)[0], plain.step(move)[0]
-    with pytest.raises(ValueError, match="exit_order"):
-        MazeEnv(exit_order="random")
-    assert load_config(None, ["env.maze.exit_order=nearest"]).env.maze.exit_order == "nearest"
 
 
 class _PartialCreditEnv:

@@ -141,7 +141,7 @@ def test_without_dynamic_sampling_nothing_is_filtered():
 
 
 def test_waiting_with_no_share_in_flight_is_an_error_not_a_hang():
-    """Session 10's train.source bug: groups the staleness check always drops (a recording's
+    """A former train.source bug: groups the staleness check always drops (a recording's
     fixed version) left the runner in ray.wait on nothing. Such a state now fails in one line
     that shows the scheduler's pacing."""
     pytest.importorskip("ray")

@@ -8,7 +8,7 @@ import torch
 
 from chat_helpers import AddEnv, ScriptedEngine, build_chat_tokenizer
 from gyre.algos import AdvantageInputs, AdvantageSettings, Turns, compute_advantages
-from gyre.config import load_config
+from gyre.config import load_config, load_recipe
 from gyre.engines.torch_engine import TorchEngine
 from gyre.envs.maze import MazeEnv
 from gyre.rollout.chat import ChatMode, ChatTemplate
@@ -176,7 +176,7 @@ def test_turn_credit_on_rows_equals_it_on_whole_episodes():
 
 def test_config_takes_turn_estimators_and_refuses_token_ones():
     cfg = load_config(None, ["rollout.history_turns=0", "train.algo.advantage=gigpo"])
-    assert cfg.rollout.history_turns == 0 and not cfg.rollout.keep_opening  # the maze default
+    assert cfg.rollout.history_turns == 0 and cfg.rollout.keep_opening  # nothing else changes
     cfg = load_config(None, ["env.name=arithmetic", "rollout.history_turns=0"])
     assert cfg.rollout.history_turns == 0 and cfg.rollout.keep_opening
     with pytest.raises(ValueError, match=r"rollout\.history_turns needs an outcome or turn"):
@@ -187,36 +187,32 @@ def test_config_takes_turn_estimators_and_refuses_token_ones():
         load_config(None, ["rollout.history_turns=-1"])
 
 
-def test_the_maze_default_is_memoryless_with_level_replay_unless_set():
-    """env.name=maze fills the keys a config leaves unset with the default's recipe (README):
-    a memoryless window and level replay (local runner only); set keys and other envs keep
-    theirs, and a saved config.yaml reloads to the same values."""
-    cfg = load_config(None, [])
+def test_the_maze_recipe_is_memoryless_with_level_replay_and_changes_nothing_unasked():
+    """The maze recipe's file sets the memoryless window and level replay; what it does not fit
+    (a per-token estimator, the Ray runner) is an error naming the key, never a silent change."""
+    cfg = load_recipe()
     assert (cfg.rollout.history_turns, cfg.rollout.keep_opening) == (0, False)
     assert cfg.train.level_replay.prob == 0.5
-    whole = load_config(None, ["rollout.history_turns=all", "rollout.keep_opening=true",
-                               "train.level_replay.prob=0"])  # fmt: skip
+    whole = load_recipe("maze", ["rollout.history_turns=all", "rollout.keep_opening=true",
+                                 "train.level_replay.prob=0"])  # fmt: skip
     assert (whole.rollout.history_turns, whole.rollout.keep_opening) == (None, True)
     assert whole.train.level_replay.prob == 0.0
-    assert load_config(None, ["rollout.history_turns=null"]).rollout.history_turns is None
     other = load_config(None, ["env.name=arithmetic"])
     assert other.rollout.history_turns is None and other.rollout.keep_opening
     assert other.train.level_replay.prob == 0.0
-    ray = load_config(None, ["runner=ray"])
-    assert ray.rollout.history_turns == 0 and ray.train.level_replay.prob == 0.0
-    # a per-token estimator keeps the whole episode; set explicitly, the window is refused
-    for over in (["train.algo.advantage=gae"], ["train.dapo.overlong_buffer_len=4"],
-                 ["train.algo.kl_in=reward", "train.kl_coef=0.1"]):  # fmt: skip
-        assert load_config(None, over).rollout.history_turns is None, over
+    with pytest.raises(ValueError, match=r"train\.level_replay\.prob > 0"):
+        load_recipe("maze", ["runner=ray"])
+    ray = load_recipe("maze", ["runner=ray", "train.level_replay.prob=0"])
+    assert ray.rollout.history_turns == 0
     with pytest.raises(ValueError, match=r"rollout\.history_turns needs an outcome"):
-        load_config(None, ["train.algo.advantage=gae", "rollout.history_turns=0"])
+        load_recipe("maze", ["train.algo.advantage=gae"])
 
 
 def test_a_saved_maze_config_reloads_to_the_same_window(tmp_path):
     from gyre.config import dump_config
 
     for over in ([], ["rollout.history_turns=all", "train.level_replay.prob=0"]):
-        cfg = load_config(None, over)
+        cfg = load_recipe("maze", over)
         path = tmp_path / "config.yaml"
         path.write_text(dump_config(cfg))
         again = load_config(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from pydantic import (
     BaseModel,
     ValidationError,
 )
+from pydantic.fields import FieldInfo
 
 from gyre.config.base import (
     REDACTED,
@@ -165,6 +167,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # shipped with the package
+
+
+def recipe_path(name: str) -> Path:
+    """The shipped recipe ``name`` (``gyre/recipes/<name>.yaml``); the error lists them."""
+    path = RECIPES / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
+        raise ConfigError(f"no shipped recipe {name!r}; shipped: {known}")
+    return path
+
+
+def load_recipe(name: str = "maze", overrides: list[str] | None = None) -> Config:
+    """The shipped recipe ``name`` plus overrides: ``load_recipe()`` is what ``gyre train``
+    runs with no config file. (``Config()`` is the fields' own defaults, with no recipe.)"""
+    return load_config(recipe_path(name), overrides)
+
+
+def default_config_path(overrides: list[str]) -> Path | None:
+    """The file ``gyre train`` / ``sft`` / ``verify-resume`` / ``submit`` read when given none:
+    the maze recipe, unless the overrides name another env or a ``model.path`` (whose folder
+    records the env it was trained on), in which case the fields' defaults (None)."""
+    keys = dict(item.split("=", 1) for item in overrides if "=" in item)
+    if keys.get("env.name", "maze").strip() != "maze" or keys.get("model.path", "").strip():
+        return None
+    return recipe_path("maze")
+
+
 def _absolute_file_specs(cfg: Config, bases: list[Path]) -> None:
     """Make ``file.py:attr`` specs (env.name, env.gymnasium.renderer, reward.functions[*].fn)
     absolute: relative to the config file's folder when the file is there, else to the current
@@ -200,15 +230,40 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """One line per leaf field: dotted key, default and description (for ``--help-config``)."""
-    out = []
+def iter_fields(
+    model: type[BaseModel] = Config, prefix: str = ""
+) -> Iterator[tuple[str, FieldInfo]]:
+    """Every leaf field of the tree as (dotted key, its pydantic FieldInfo), in order."""
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.extend(describe_fields(ann, key + "."))
+            yield from iter_fields(ann, key + ".")
         else:
-            default = field.get_default(call_default_factory=True)
-            out.append(f"{key} = {default!r}  # {field.description}")
+            yield key, field
+
+
+def value_at(cfg: BaseModel, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def describe_fields(cfg: Config | None = None) -> list[str]:
+    """One line per leaf key: ``key = value  # description`` (``gyre --help-config``).
+
+    ``cfg`` None: the values of ``gyre train`` with no config file (the maze recipe); a key the
+    recipe sets also shows its field default."""
+    recipe = load_recipe() if cfg is None else cfg
+    out = []
+    for key, field in iter_fields():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump()
+        value = value_at(recipe, key)
+        if isinstance(value, BaseModel):
+            value = value.model_dump()
+        note = "" if value == default else f" (field default: {default!r})"
+        out.append(f"{key} = {value!r}  # {field.description}{note}")
     return out

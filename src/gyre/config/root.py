@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import (
     Field,
+    PrivateAttr,
     field_validator,
     model_validator,
 )
@@ -14,14 +15,19 @@ from gyre.config.base import (
     Section,
 )
 from gyre.config.engine import EngineConfig, PerfConfig
+from gyre.config.envs import EnvConfig
 from gyre.config.ops import CheckpointConfig, EvalConfig, FaultsConfig, LogConfig, TelemetryConfig
 from gyre.config.ray import RayConfig
 from gyre.config.rewards import RewardConfig
-from gyre.config.run import EnvConfig, ModelConfig, RolloutConfig, RunConfig
+from gyre.config.run import ModelConfig, RolloutConfig, RunConfig
 from gyre.config.train import SFTConfig, TrainConfig
 
 
 class Config(Section):
+    """The whole run. ``Config()`` is every field's own default, for every env alike: nothing
+    is filled in behind it. What ``gyre train`` runs with no config file is the shipped maze
+    recipe, :func:`gyre.config.load_recipe` (``gyre/recipes/maze.yaml``)."""
+
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and placement.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
@@ -56,6 +62,13 @@ class Config(Section):
         "local", description="local: one process; ray: rollout and trainer actors on Ray."
     )
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray runner settings.")
+    # One line per value a check filled in because another key asked for it (train.source);
+    # the loop prints them, and config.yaml holds the values.
+    _adapted: list[str] = PrivateAttr(default_factory=list)
+
+    def adapted(self) -> list[str]:
+        """What loading filled in on the config's behalf, one line each (printed by the loop)."""
+        return list(self._adapted)
 
     @field_validator("run")
     @classmethod
@@ -63,24 +76,6 @@ class Config(Section):
         if v.resume not in ("auto", "never") and not v.resume:
             raise ValueError("run.resume must be 'auto', 'never' or a path")
         return v
-
-    @model_validator(mode="after")
-    def _maze_recipe(self) -> Config:
-        """The maze default's memoryless policy and level replay (README, docs/maze-experiments.md
-        "Session 19"): with ``env.name=maze``, keys the config leaves unset get the recipe's
-        values (the window only where the advantages allow one, the replay only on the local
-        runner); every other env keeps the fields' own defaults."""
-        if self.env.name != "maze":
-            return self
-        r, replay = self.rollout, self.train.level_replay
-        # a window needs row-wise advantages; where _row_wise_problem objects, the whole episode
-        if "history_turns" not in r.model_fields_set and self._row_wise_problem("") is None:
-            r.history_turns = 0  # the view marks visited cells
-        if "keep_opening" not in r.model_fields_set:
-            r.keep_opening = False
-        if "prob" not in replay.model_fields_set and self.runner == "local":
-            replay.prob = 0.5
-        return self
 
     def _row_wise_problem(self, key: str) -> str | None:
         """Why ``key`` (step-wise rows: ``rollout.stepwise`` or ``rollout.history_turns``) does
@@ -149,12 +144,19 @@ class Config(Section):
             raise ValueError("train.source needs model.path: the model gyre serve --record served")
         if "steps" not in self.sft.model_fields_set:
             self.sft.steps = 0
+            self._adapted.append(
+                "train.source: sft.steps=0 (the recording was sampled by model.path)"
+            )
         elif self.sft.steps > 0:
             raise ValueError(
                 "train.source: sft.steps must be 0 (the recording was sampled by model.path)"
             )
         if "rollout_is" not in self.train.algo.model_fields_set:
             self.train.algo.rollout_is = "truncate"
+            self._adapted.append(
+                "train.source: train.algo.rollout_is=truncate (recorded tokens are off-policy "
+                "after the first update; set it to keep another)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -12,14 +12,12 @@ from pydantic import (
     model_validator,
 )
 
-from gyre.config.adapters import GymnasiumConfig, ReasoningGymConfig
 from gyre.config.base import (
     SEED_LIMIT,
     THREADS_PER_CORE,
     Section,
 )
 from gyre.config.rewards import SandboxConfig
-from gyre.config.visual import MiniGridConfig, VisualMazeConfig
 
 _DEVICE_RE = re.compile(r"^(cpu|auto|mps|cuda(:\d+)?)$")
 
@@ -124,8 +122,11 @@ class TinyVlmConfig(Section):
 class ModelConfig(Section):
     path: str = Field(
         "",
-        description="Local Hugging Face folder: a causal LM, or an image-text-to-text VLM (its "
-        "config.json has a vision_config: docs/vision.md); empty builds the tiny default.",
+        description="A Hugging Face model: a local folder, or a hub id (org/name) resolved "
+        "through the local hub cache (HF_HUB_OFFLINE=1: the cache only; online: downloaded as "
+        "transformers does). A causal LM, or an image-text-to-text VLM (its config.json has a "
+        "vision_config: docs/vision.md). A GGUF file is imported first with gyre import. Empty "
+        "builds the tiny default.",
     )
     kind: Literal["text", "qwen2_5_vl", "qwen3_vl", "idefics3"] = Field(
         "text",
@@ -170,91 +171,6 @@ class ModelConfig(Section):
         return self
 
 
-DemonstratorName = Literal["shortest", "greedy", "lookahead", "careful"]  # gyre.envs.maze's
-
-
-class MazeConfig(Section):
-    size: int = Field(5, ge=5, description="Maze side length in cells (at least 5).")
-    wall_density: float = Field(
-        0.3, ge=0.0, lt=0.7, description="Fraction of cells that are walls."
-    )
-    min_distance: int = Field(
-        4, ge=4, description="Shortest start-to-goal path, in moves, is at least this."
-    )
-    budget_factor: float = Field(
-        2.0, ge=1.0, le=2.0, description="Move budget = floor(factor * shortest path), at most 2x."
-    )
-    observation: Literal["compass", "exits", "window", "grid"] = Field(
-        "exits",
-        description="compass: grid once, then neighbours + goal offset; exits: grid once, then "
-        "the open moves + goal offset; window: a local square; grid: the whole grid every turn.",
-    )
-    view: int = Field(
-        2,
-        ge=1,
-        description="View radius: compass cells within this many moves; exits looks 1 or 2"
-        " moves ahead; window half-width.",
-    )
-    demonstrator: DemonstratorName = Field(
-        "careful",
-        description="SFT demonstrator: shortest = a move along a shortest path (solves every "
-        "maze); greedy = the legal move that brings the agent closest to the goal (never bumps, "
-        "but ignores dead ends and visited cells); lookahead = greedy, but a neighbour that is a "
-        "dead end (nothing open beyond it) only when every move is one; careful = lookahead, "
-        "then an unvisited cell before a visited one.",
-    )
-    demonstrator_mix: dict[DemonstratorName, float] = Field(
-        default_factory=dict,
-        description="A mixed teacher: each turn's move is drawn from these demonstrators with "
-        "these probabilities (summing to at most 1), the rest of the time `demonstrator`'s, e.g. "
-        "{careful: 0.35} with demonstrator=greedy. SFT on it learns both rules, the more likely "
-        "one as its greedy move; GRPO can then find which is worth more.",
-    )
-    bump_feedback: bool = Field(
-        False,
-        description="After a move into a wall, the next view starts with '!' (the move was "
-        "blocked), as a text adventure says so; the move still costs one of the budget.",
-    )
-    closer_mark: bool = Field(
-        False,
-        description="exits: a '*' after the cell of each open move that brings the agent nearer "
-        "the goal (Manhattan), as the goal offset says.",
-    )
-    noise_moves: Literal["uniform", "dead_end"] = Field(
-        "uniform",
-        description="SFT noise moves (sft.noise): uniform over u/d/l/r, or dead_end: into a "
-        "neighbouring dead end when there is one (masked, as every noise move), so that the "
-        "teacher's way back out is trained.",
-    )
-    exit_order: Literal["udlr", "nearest"] = Field(
-        "udlr",
-        description="exits: the open moves in the order u, d, l, r, or nearest (the move whose "
-        "cell is nearest the goal first; ties u, d, l, r).",
-    )
-    offset_letters: Literal["udlr", "nswe"] = Field(
-        "udlr",
-        description="The goal offset's letters: udlr (u2r0, the move letters) or nswe (N2E0, "
-        "compass letters, so no move letter appears outside the open moves).",
-    )
-
-    @model_validator(mode="after")
-    def _check_reachable(self) -> MazeConfig:
-        for name, p in self.demonstrator_mix.items():
-            if not 0.0 <= p <= 1.0:
-                raise ValueError(f"env.maze.demonstrator_mix.{name}={p} must lie in [0, 1]")
-        if sum(self.demonstrator_mix.values()) > 1.0 + 1e-9:
-            raise ValueError(
-                f"env.maze.demonstrator_mix={self.demonstrator_mix} sums to more than 1"
-            )
-        far = 2 * (self.size - 1)
-        if self.min_distance > far:
-            raise ValueError(
-                f"env.maze.min_distance={self.min_distance} cannot be drawn in a maze of "
-                f"env.maze.size={self.size}: corner to corner is {far} moves"
-            )
-        return self
-
-
 class ArithmeticConfig(Section):
     max_operand: int = Field(99, gt=0, description="Operands are drawn from [0, max_operand].")
     ops: str = Field("+-", min_length=1, description="Operators to draw from, e.g. '+-*'.")
@@ -288,80 +204,6 @@ class DatasetConfig(Section):
         description="Message mode for text prompts too: each becomes one user message, "
         "rendered with the tokenizer's chat template.",
     )
-
-
-BUILTIN_ENVS = (
-    "maze",
-    "arithmetic",
-    "dataset",
-    "gymnasium",
-    "reasoning_gym",
-    "visual_maze",
-    "minigrid",
-)
-
-
-class EnvConfig(Section):
-    name: str = Field(
-        "maze",
-        description="A built-in env (maze, arithmetic, dataset, gymnasium, reasoning_gym, "
-        "visual_maze, minigrid), a name given to gyre.envs.register, an import path "
-        "'module:Class' or a file path 'envs.py:Class' "
-        "(docs/envs.md).",
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments of a plug-in env's class or factory (built-in envs "
-        "take their own sections instead).",
-    )
-    maze: MazeConfig = Field(default_factory=MazeConfig, description="Maze settings.")
-    arithmetic: ArithmeticConfig = Field(
-        default_factory=ArithmeticConfig, description="Arithmetic settings."
-    )
-    dataset: DatasetConfig = Field(
-        default_factory=DatasetConfig,
-        description="Prompt-dataset (JSONL / JSON / Parquet / Arrow) settings.",
-    )
-    gymnasium: GymnasiumConfig = Field(
-        default_factory=GymnasiumConfig, description="gymnasium adapter settings."
-    )
-    reasoning_gym: ReasoningGymConfig = Field(
-        default_factory=ReasoningGymConfig, description="reasoning-gym adapter settings."
-    )
-    visual_maze: VisualMazeConfig = Field(
-        default_factory=VisualMazeConfig,
-        description="Visual maze rendering (the maze itself is env.maze.*).",
-    )
-    minigrid: MiniGridConfig = Field(
-        default_factory=MiniGridConfig, description="MiniGrid adapter settings."
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _env_name(cls, v: str) -> str:
-        v = v.strip()
-        if not v:
-            raise ValueError("empty; give a built-in env, a registered name or 'module:Class'")
-        mod, sep, attr = v.rpartition(":")
-        if sep and (not mod.strip() or not attr.strip()):
-            raise ValueError(f"expected 'module:Class' or 'file.py:Class', got {v!r}")
-        from gyre.plugins import ENV_REGISTRY
-
-        if not sep and v not in BUILTIN_ENVS and v not in ENV_REGISTRY:
-            raise ValueError(
-                f"unknown env; valid: {', '.join([*BUILTIN_ENVS, *sorted(ENV_REGISTRY)])}, a "
-                "name given to gyre.envs.register, 'module:Class' or 'file.py:Class'"
-            )
-        return v
-
-    @model_validator(mode="after")
-    def _kwargs_for_plugins(self) -> EnvConfig:
-        if self.kwargs and self.name in BUILTIN_ENVS:
-            raise ValueError(
-                f"env.kwargs is for plug-in envs; the built-in env {self.name!r} takes "
-                f"env.{self.name}.* settings"
-            )
-        return self
 
 
 class RolloutConfig(Section):
@@ -400,14 +242,12 @@ class RolloutConfig(Section):
         description="Bounded history (gyre.rollout.window): each turn's prompt holds the "
         "opening observation, the last N exchanges and the current observation, and every "
         "turn is its own training sample; 0: memoryless; null (or 'all'): the whole episode. "
-        "Unset with env.name=maze: 0 (the maze default's memoryless policy) where the advantages "
-        "allow a window (an outcome or turn estimator).",
+        "Needs an outcome or turn estimator (train.algo.advantage).",
     )
     keep_opening: bool = Field(
         True,
         description="With rollout.history_turns: the episode's opening observation (the task) "
-        "stays at the head of every turn's prompt (a chat's system messages always do). Unset "
-        "with env.name=maze: false.",
+        "stays at the head of every turn's prompt (a chat's system messages always do).",
     )
 
     @field_validator("history_turns", mode="before")

@@ -221,8 +221,8 @@ class LevelReplayConfig(Section):
         0.0,
         ge=0,
         le=1,
-        description="Chance that a task slot replays a buffered task; 0 = off. Unset with "
-        "env.name=maze and runner=local: 0.5 (the maze default).",
+        description="Chance that a task slot replays a buffered task; 0 = off (the maze recipe: "
+        "0.5). runner=local only.",
     )
     buffer_size: int = Field(
         64, gt=0, description="Most tasks kept for replay (the lowest-scored one is evicted)."

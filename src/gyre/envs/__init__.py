@@ -11,9 +11,8 @@ episode. See docs/envs.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gyre.config import BUILTIN_ENVS, EnvConfig
 from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.base import Demonstrator, Env
 from gyre.envs.data_files import load_tasks
@@ -21,6 +20,9 @@ from gyre.envs.dataset import DatasetEnv, DatasetMessageEnv, load_jsonl_tasks, m
 from gyre.envs.maze import MazeEnv
 from gyre.envs.visual import image_env_factory
 from gyre.plugins import ENV_REGISTRY, load_object
+
+if TYPE_CHECKING:  # gyre.config imports gyre.envs.maze for its env section
+    from gyre.config import EnvConfig
 
 __all__ = [
     "ArithmeticEnv",
@@ -45,6 +47,8 @@ def register(name: str, factory: Callable[..., Env]) -> None:
     in the process that called this: a Ray rollout worker does not see it, so for
     ``runner=ray`` name the env by import path or file path instead.
     """
+    from gyre.config import BUILTIN_ENVS
+
     if name in BUILTIN_ENVS or ":" in name or not name.strip():
         raise ValueError(f"cannot register env {name!r}: built-in names and ':' are reserved")
     if not callable(factory):
@@ -59,22 +63,7 @@ def registered() -> list[str]:
 def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
     """A zero-argument constructor for the env named by ``cfg.name``."""
     if cfg.name == "maze":
-        m = cfg.maze
-        return lambda: MazeEnv(
-            m.size,
-            m.wall_density,
-            m.min_distance,
-            m.budget_factor,
-            m.view,
-            m.observation,
-            demonstrator=m.demonstrator,
-            bump_feedback=m.bump_feedback,
-            closer_mark=m.closer_mark,
-            offset_letters=m.offset_letters,
-            noise_moves=m.noise_moves,
-            exit_order=m.exit_order,
-            demonstrator_mix=m.demonstrator_mix,
-        )
+        return lambda: MazeEnv.from_config(cfg.maze)
     if cfg.name == "arithmetic":
         a = cfg.arithmetic
         return lambda: ArithmeticEnv(a.max_operand, a.ops)
@@ -103,6 +92,8 @@ def _plugin_factory(cfg: EnvConfig) -> Callable[[], Env]:
     elif ":" in cfg.name:
         factory = load_object(cfg.name, "env.name")
     else:
+        from gyre.config import BUILTIN_ENVS
+
         known = ", ".join([*BUILTIN_ENVS, *registered()])
         raise ValueError(
             f"unknown env.name {cfg.name!r}; valid: {known}, or an import path "

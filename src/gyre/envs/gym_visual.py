@@ -13,9 +13,11 @@ either ``import gyre.envs.gym_visual`` first or let gymnasium import it:
 - ``reset(seed=s)`` draws the maze of seed ``s``, the same maze ``env.name=maze`` plays for that
   seed; ``reset()`` without a seed draws one from the env's ``np_random``.
 
-Keyword arguments: those of :class:`gyre.envs.maze.MazeEnv` (``size``, ``wall_density``,
-``min_distance``, ``budget_factor``) and of the rendering (``cell_px``, ``pad_to``,
-``draw_visited``, ``grid_lines``).
+Keyword arguments: the maze's (``size``, ``wall_density``, ``min_distance``, ``budget_factor``:
+:class:`gyre.envs.maze.MazeConfig`) and the rendering's (``cell_px``, ``pad_to``,
+``draw_visited``, ``grid_lines``, ``view``, ``radius``: :class:`gyre.config.VisualMazeConfig`),
+with those sections' defaults and checks: the same maze and image as a run's ``env.maze`` /
+``env.visual_maze``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from gyre.envs.maze import MOVES, MazeEnv
+from gyre.config.visual import VisualMazeConfig
+from gyre.envs.maze import MOVES, MazeConfig, MazeEnv
 from gyre.envs.visual_maze import render_maze
 
 try:
@@ -35,6 +38,8 @@ except ImportError as exc:
 
 ENV_ID = "gyre/VisualMaze-v0"
 ACTION_MOVES = tuple(MOVES)  # Discrete index -> the text maze's move letter: u, d, l, r
+MAZE_KEYS = ("size", "wall_density", "min_distance", "budget_factor")
+RENDER_KEYS = ("cell_px", "pad_to", "draw_visited", "grid_lines", "view", "radius")
 
 
 class VisualMazeGymEnv(gymnasium.Env):
@@ -42,31 +47,17 @@ class VisualMazeGymEnv(gymnasium.Env):
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 4}
 
-    def __init__(
-        self,
-        size: int = 5,
-        wall_density: float = 0.3,
-        min_distance: int = 4,
-        budget_factor: float = 2.0,
-        cell_px: int = 14,
-        pad_to: int = 28,
-        draw_visited: bool = True,
-        grid_lines: bool = False,
-        view: str = "grid",
-        radius: int = 0,
-        render_mode: str | None = "rgb_array",
-    ) -> None:
+    def __init__(self, render_mode: str | None = "rgb_array", **kwargs: Any) -> None:
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"render_mode must be 'rgb_array' or None, got {render_mode!r}")
-        self.maze = MazeEnv(size, wall_density, min_distance, budget_factor)
-        self.render_kw = {
-            "cell_px": cell_px,
-            "pad_to": pad_to,
-            "draw_visited": draw_visited,
-            "grid_lines": grid_lines,
-            "view": view,
-            "radius": radius,
-        }
+        unknown = sorted(set(kwargs) - {*MAZE_KEYS, *RENDER_KEYS})
+        if unknown:
+            valid = ", ".join(MAZE_KEYS + RENDER_KEYS)
+            raise TypeError(f"{ENV_ID}: unknown keyword {unknown}; valid: {valid}")
+        maze = MazeConfig(**{k: v for k, v in kwargs.items() if k in MAZE_KEYS})
+        render = VisualMazeConfig(**{k: v for k, v in kwargs.items() if k in RENDER_KEYS})
+        self.maze = MazeEnv(maze.size, maze.wall_density, maze.min_distance, maze.budget_factor)
+        self.render_kw = render.model_dump(include=set(RENDER_KEYS))
         self.render_mode = render_mode
         side = render_maze(self.maze, **self.render_kw).shape[0]
         self.observation_space = spaces.Box(0, 255, (side, side, 3), dtype=np.uint8)

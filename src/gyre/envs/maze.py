@@ -54,19 +54,6 @@ Every action uses one move of the budget:
 - a move into a wall or off the grid leaves the agent in place;
 - a malformed action (anything else) also leaves the agent in place: a wasted move.
 
-Three variants of the ``exits`` view (all off by default; measured in docs/maze-experiments.md,
-"Session 12"): ``closer_mark`` puts ``*`` after the cell character of every open move that
-brings the agent nearer the goal (Manhattan distance; the goal offset says the same, here
-written where the move is: ``u4l2 r+UR l.*>``); ``exit_order="nearest"`` lists the open moves
-nearest the goal first (Manhattan distance of their cell; ties u, d, l, r, so the greedy
-demonstrator's move is always the first listed); ``offset_letters="nswe"`` writes the goal
-offset with the compass letters ``N S W E`` instead of the move letters (``N4W2 r+UR l.*>``),
-so that no move letter appears outside the open moves.
-
-With ``bump_feedback`` (off by default) the view after a move into a wall starts with ``!``
-(``!u4l2 r+UR>``: the last move was blocked), as a text adventure says "you can't go that way";
-the blocked move still costs one move of the budget.
-
 Reward: 1.0 on the step that reaches the goal within the budget (the episode ends), else 0.0; the
 episode also ends when the budget is spent.
 """
@@ -79,15 +66,14 @@ from typing import Any
 
 import numpy as np
 
-from gyre.config import ConfigError
+# gyre.config.base, not gyre.config: gyre.config builds its tree lazily (gyre.config.envs).
+from gyre.config.base import ConfigError
+from gyre.config.maze import MazeConfig
 
 MOVES = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
 WORDS = {"up": "u", "down": "d", "left": "l", "right": "r"}
 OBSERVATIONS = ("compass", "exits", "window", "grid")
 DEMONSTRATORS = ("shortest", "greedy", "lookahead", "careful")
-NOISE_MOVES = ("uniform", "dead_end")
-EXIT_ORDERS = ("udlr", "nearest")
-OFFSET_LETTERS = {"udlr": "udlr", "nswe": "NSWE"}  # the goal offset's up, down, left, right
 
 
 def _check_choice(name: str, value: str, allowed: Any) -> None:
@@ -144,11 +130,6 @@ class MazeEnv:
         view: int = 1,
         observation: str = "compass",
         demonstrator: str = "shortest",
-        bump_feedback: bool = False,
-        closer_mark: bool = False,
-        offset_letters: str = "udlr",
-        noise_moves: str = "uniform",
-        exit_order: str = "udlr",
         demonstrator_mix: dict[str, float] | None = None,
     ) -> None:
         if size < 2:
@@ -175,21 +156,18 @@ class MazeEnv:
                 raise ValueError(f"maze demonstrator_mix[{name!r}] must lie in [0, 1], got {p}")
         if sum(self.demonstrator_mix.values()) > 1.0 + 1e-9:
             raise ValueError(f"maze demonstrator_mix {self.demonstrator_mix} sums to more than 1")
-        self.bump_feedback = bump_feedback
-        _check_choice("offset_letters", offset_letters, OFFSET_LETTERS)
-        _check_choice("noise_moves", noise_moves, NOISE_MOVES)
-        _check_choice("exit_order", exit_order, EXIT_ORDERS)
-        self.noise_moves = noise_moves
-        self.exit_order = exit_order
-        self.closer_mark = closer_mark
-        self.offset_letters = OFFSET_LETTERS[offset_letters]
-        self.blocked = False  # the last move went into a wall (shown with bump_feedback)
+        self.blocked = False  # the last move went into a wall (info["invalid"])
         self.visited: set[tuple[int, int]] = set()
         self.walls = np.zeros((size, size), dtype=bool)
         self.pos = self.start = self.goal = (0, 0)
         self.shortest = self.budget = self.moves = self.bumps = 0
         self.done = True
         self._dist = np.zeros((size, size), dtype=np.int64)
+
+    @classmethod
+    def from_config(cls, cfg: MazeConfig) -> MazeEnv:
+        """The maze a run's ``env.maze`` section describes."""
+        return cls(**cfg.model_dump())
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, seed: int) -> None:
@@ -287,58 +265,33 @@ class MazeEnv:
 
     def _offset(self) -> str:
         dr, dc = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
-        u, d, l, r = self.offset_letters
-        return f"{u if dr < 0 else d}{abs(dr)}{l if dc < 0 else r}{abs(dc)}"
-
-    def _closer(self, r: int, c: int) -> str:
-        """``closer_mark``: ``*`` when cell (r, c) is nearer the goal (Manhattan) than the
-        agent's cell, else nothing."""
-        if not self.closer_mark:
-            return ""
-        gr, gc = self.goal
-        near = abs(gr - r) + abs(gc - c) < abs(gr - self.pos[0]) + abs(gc - self.pos[1])
-        return "*" if near else ""
+        return f"{'u' if dr < 0 else 'd'}{abs(dr)}{'l' if dc < 0 else 'r'}{abs(dc)}"
 
     def _exits(self) -> str:
         """The open moves with their cells; with ``view=2`` each is followed by the moves that
         are open from that neighbour (upper case, the way back left out) and a space."""
         out = []
-        for name, (dr, dc) in self._exit_moves():
+        for name, (dr, dc) in MOVES.items():
             r, c = self.pos[0] + dr, self.pos[1] + dc
             cell = self._cell(r, c)
             if cell == "#":
                 continue
             if self.view == 1:
-                out.append(name + cell + self._closer(r, c))
+                out.append(name + cell)
                 continue
             onward = "".join(
                 nxt.upper()
                 for nxt, (dr2, dc2) in MOVES.items()
                 if (dr2, dc2) != (-dr, -dc) and self._cell(r + dr2, c + dc2) != "#"
             )
-            out.append(name + cell + self._closer(r, c) + onward)
+            out.append(name + cell + onward)
         return ("" if self.view == 1 else " ").join(out)
-
-    def _exit_moves(self) -> list[tuple[str, tuple[int, int]]]:
-        """The moves in the order the exits view lists them: u, d, l, r, or with ``exit_order=
-        "nearest"`` by the Manhattan distance of their cell to the goal (ties: u, d, l, r)."""
-        moves = list(MOVES.items())
-        if self.exit_order == "nearest":
-            gr, gc = self.goal
-            pr, pc = self.pos
-            moves.sort(key=lambda m: abs(gr - pr - m[1][0]) + abs(gc - pc - m[1][1]))
-        return moves
 
     def _grid(self) -> list[str]:
         return ["".join(self._cell(r, c) for c in range(self.size)) for r in range(self.size)]
 
     def render(self, first: bool = False) -> str:
-        """The observation text (see the module docstring for the four formats); with
-        ``bump_feedback`` a view after a move into a wall starts with ``!``."""
-        text = self._render(first)
-        return "!" + text if self.bump_feedback and self.blocked else text
-
-    def _render(self, first: bool) -> str:
+        """The observation text (see the module docstring for the four formats)."""
         pr, pc = self.pos
         if self.observation == "compass":
             near = "".join(self._cell(pr + dr, pc + dc) for dr, dc in compass_offsets(self.view))
@@ -347,7 +300,7 @@ class MazeEnv:
         if self.observation == "exits":
             if self.view == 1:
                 view = self._exits() + " " + self._offset() + ">"
-            else:  # the exits next to the prompt: measured to train faster (maze-experiments)
+            else:  # the exits next to the prompt: measured to train faster (docs/results/maze.md)
                 view = self._offset() + " " + self._exits() + ">"
             return "\n".join([*self._grid(), view]) if first else view
         if self.observation == "window":
@@ -418,13 +371,7 @@ class MazeEnv:
         return 0 <= r < self.size and 0 <= c < self.size and not self.walls[r, c]
 
     def random_action(self, rng: np.random.Generator) -> str:
-        """A demonstration's noise move (``noise_moves``): ``uniform`` over u, d, l, r;
-        ``dead_end``: into a neighbouring dead end (open, not the goal, nothing open beyond it)
-        when there is one, so that SFT sees the way back out; else uniform."""
-        if self.noise_moves == "dead_end":
-            dead = [name for name, (dr, dc) in MOVES.items() if self._dead_end(dr, dc)]
-            if dead:
-                return str(rng.choice(dead))
+        """A demonstration's noise move: uniform over u, d, l, r."""
         return str(rng.choice(list(MOVES)))
 
     def _dead_end(self, dr: int, dc: int) -> bool:

@@ -7,11 +7,14 @@ run names it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from gyre.config import EnvConfig
 from gyre.envs.base import MessageEnv
 from gyre.envs.maze import MazeEnv
 from gyre.envs.visual_maze import VisualMazeEnv
+
+if TYPE_CHECKING:  # gyre.config imports gyre.envs.maze for its env section
+    from gyre.config import EnvConfig
 
 
 def image_env_factory(cfg: EnvConfig) -> Callable[[], MessageEnv]:
@@ -23,7 +26,7 @@ def image_env_factory(cfg: EnvConfig) -> Callable[[], MessageEnv]:
         def make_visual_maze() -> VisualMazeEnv:
             # every env.maze.* field is a MazeEnv argument of the same name: the rules stay the
             # text maze's whatever fields the section gains
-            maze = MazeEnv(**m.model_dump())
+            maze = MazeEnv.from_config(m)
             return VisualMazeEnv(
                 maze,
                 v.cell_px,

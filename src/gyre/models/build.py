@@ -25,6 +25,7 @@ from transformers import (
 
 from gyre.config import ModelConfig
 from gyre.errors import InputError
+from gyre.models.hub import resolve_model_path
 from gyre.models.vision import is_vlm_folder, load_vision, load_vlm
 
 # Every character the built-in envs and their prompts can produce. Unknown characters map to
@@ -100,8 +101,9 @@ def resolve_device(name: str, key: str = "run.device") -> torch.device:
 def load_pretrained(
     path: str | Path, device: torch.device
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local folder, in fp32 on ``device``."""
-    p = Path(path)
+    """Load a causal LM and its tokenizer, in fp32 on ``device``, from a local folder or a hub
+    id (:func:`gyre.models.hub.resolve_model_path`)."""
+    p = resolve_model_path(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
             f"model.path '{p}' is not a Hugging Face model folder (no config.json there)"
@@ -134,7 +136,8 @@ def check_model_config(folder: Path) -> None:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """A local folder's tokenizer (offline), with EOS as padding when it has no pad token."""
+    """A local folder's (or hub id's) tokenizer, with EOS as padding when it has no pad token."""
+    path = resolve_model_path(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_model_config(Path(path))
     if is_vlm_folder(path):  # the tokenizer of a VLM carries its image processor

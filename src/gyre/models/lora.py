@@ -22,6 +22,7 @@ import torch
 
 from gyre.config import Config, LoraConfig
 from gyre.models.build import load_pretrained
+from gyre.models.hub import resolve_model_path
 from gyre.models.vision import freeze_vision, save_tokenizer, vision_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -72,7 +73,7 @@ def lora_base_path(cfg: Config, run_dir: Path) -> Path:
     """The weights a run's adapter sits on: its SFT output if any, else the base model."""
     if (run_dir / "sft").is_dir():
         return run_dir / "sft"
-    return Path(cfg.model.path) if cfg.model.path else run_dir / "init"
+    return resolve_model_path(cfg.model.path) if cfg.model.path else run_dir / "init"
 
 
 def load_policy(

@@ -142,7 +142,7 @@ def _seeded(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     on how many draws the vision tower (built first) took: two tiny Qwen3-VLs with the same
     ``run.seed`` and language model but other towers (``patch_size``) start from the same
     language model. The SFT outcome of these tiny models depends strongly on that draw
-    (docs/vision.md, "Correction (session 20)")."""
+    (docs/results/visual-maze.md)."""
     init = model._init_weights
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -295,8 +295,14 @@ class Rollout:
         )
         for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
             if n:
-                out.update(evaluate(self.engine, self.make_env, self.tokenizer, n, settings, split))
+                play = (self.engine, self.make_env, self.tokenizer)
+                out.update(evaluate(*play, n, settings, split, score=self._score_eval))
         return out
+
+    def _score_eval(self, trajs: list[Trajectory]) -> None:
+        """Held-out episodes get the run's reward (reward functions), as training's do."""
+        if self.rewarder is not None:
+            self.rewarder.score(trajs, self.tokenizer)
 
     # -- weights ------------------------------------------------------------------------------
     @property

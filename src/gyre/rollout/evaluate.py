@@ -25,7 +25,7 @@ from gyre.rollout.chat import ChatMode
 from gyre.rollout.episodes import EpisodeOptions, run_episodes
 from gyre.rollout.stops import Stops, derive_stops
 from gyre.rollout.window import Window
-from gyre.types import SamplingParams
+from gyre.types import SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,14 @@ def evaluate(
     episodes: int,
     settings: EvalSettings,
     split: str = "eval",
+    score: Callable[[list[Trajectory]], object] | None = None,
 ) -> dict[str, float]:
     """Success rate, mean reward, mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
     seeds, ``val``: validation), greedy and (with ``settings.sampled``) sampled; metrics
-    ``<split>/success_greedy`` ..."""
+    ``<split>/success_greedy`` ...; ``score``: the run's reward functions
+    (:meth:`gyre.rewards.Rewarder.score`), which set each trajectory's reward as in training --
+    the held-out reward is then the one GRPO optimises, with ``<split>/reward_<term>_<mode>``
+    for each term; success stays the env's own."""
     if split not in ("eval", "val"):
         raise ValueError(f"unknown evaluation split {split!r}; valid: eval, val")
     seeds = eval_seeds(episodes) if split == "eval" else validation_seeds(episodes)
@@ -102,6 +106,11 @@ def evaluate(
         )
         mode: EpisodeOptions = {"continuous": st.continuous, "chat": st.chat, "window": st.window}
         trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params, **mode)
+        if score is not None and trajs:
+            score(trajs)
+            for term in trajs[0].info.get("rewards", {}):
+                vals = [t.info["rewards"][term] for t in trajs]
+                out[f"{split}/reward_{term}_{name}"] = float(np.mean(vals))
         out[f"{split}/success_{name}"] = float(np.mean([t.success for t in trajs]))
         out[f"{split}/moves_{name}"] = float(np.mean([t.num_turns for t in trajs]))
         # the mean return: the score where the reward gives partial credit (reasoning-gym)

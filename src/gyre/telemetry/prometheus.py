@@ -60,8 +60,8 @@ class FaultCounter:
     cumulative: bool = True
 
 
-# Keys that the Ray runner (issue 5) and fault handling (issue 4) log, as named on their
-# branches; each becomes a counter. The local loop logs none of them.
+# Keys that the Ray runner and fault handling log; each becomes a counter.
+# The local loop logs none of them.
 FAULT_COUNTERS: dict[str, FaultCounter] = {
     "recovery/trainer_restarts": FaultCounter(
         "restarts", "Restarts of trainer or rollout workers.", (("component", "trainer"),)

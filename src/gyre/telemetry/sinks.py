@@ -71,6 +71,7 @@ HEADLINE = (
     ("rollout/reward_mean", "reward", "{:.3f}"),
     ("rollout/success_rate", "success", "{:.3f}"),
     ("eval/success_greedy", "eval", "{:.3f}"),
+    ("eval/reward_greedy", "eval reward", "{:.3f}"),
     ("perf/rollout_tokens_per_s", "tok/s", "{:.0f}"),
     ("train/loss", "loss", "{:.4f}"),
     ("sft/loss", "sft loss", "{:.4f}"),
