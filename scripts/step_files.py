@@ -1,10 +1,11 @@
 """Which source files one GRPO step runs through, and their lines: a reader's map of a step.
 
-Runs ``gyre train`` in this process on the default config (a small model, no SFT, no
-evaluation, three steps) and records every line run during step 2 -- from ``placement.rollout(2)``
-to ``placement.rollout(3)`` -- with :func:`sys.settrace`. A file counts when any of its code
-ran; its size is the whole file's lines, next to the distinct lines that ran. "Without the
-engine" leaves out ``engines/`` and ``models/`` (sampling, the lean forward, KV caches).
+Runs ``gyre train`` in this process on what it runs with no config file, the maze recipe (a
+small model, no SFT, no evaluation, three steps), and records every line run during step 2 --
+from ``placement.rollout(2)`` to ``placement.rollout(3)`` -- with :func:`sys.settrace`. A file
+counts when any of its code ran; its size is the whole file's lines, next to the distinct lines
+that ran. "Without the engine" leaves out ``engines/`` and ``models/`` (sampling, the lean
+forward, KV caches).
 
     python scripts/step_files.py [key=value ...]   # extra overrides, e.g. train.algo.advantage=gae
 """
@@ -19,7 +20,7 @@ from types import FrameType
 from typing import Any
 
 import gyre
-from gyre.config import load_config
+from gyre.config import load_recipe
 from gyre.runners.local import LocalPlacement
 
 SRC = Path(gyre.__file__).resolve().parent
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> None:
     trace = StepTrace(step=2)
     LocalPlacement.rollout = trace.around(LocalPlacement.rollout)  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, [*OVERRIDES, f"run.dir={tmp}/run", *argv])
+        cfg = load_recipe("maze", [*OVERRIDES, f"run.dir={tmp}/run", *argv])
         train(cfg, LocalPlacement(cfg))
     rows = sorted(
         (f, len((SRC / f).read_text().splitlines()), len(ran)) for f, ran in trace.lines.items()

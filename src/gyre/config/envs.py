@@ -1,8 +1,8 @@
 """The ``env`` section, built from a registry of the built-in envs' own sections.
 
-Each built-in env declares its settings once, as a section class in the config layer (which
-never imports an env): the maze's in ``gyre.config.maze`` (re-exported by its env module), the
-others in ``gyre.config.adapters``, ``gyre.config.visual`` and ``gyre.config.run``. The core
+Each built-in env declares its settings once, as a section class in a small module of its own
+(``gyre.config.maze``, ``gyre.config.adapters``, ``gyre.config.visual``, ``gyre.config.run``):
+the envs import their sections, never the other way round. The core
 config knows them only through :data:`ENV_SECTIONS`: one entry per built-in ``env.name``, whose
 section is ``env.<name>``. Adding a built-in env is one entry here.
 """
@@ -21,7 +21,7 @@ from gyre.config.visual import MiniGridConfig, VisualMazeConfig
 
 # env.name -> (its section class, the section's one-line description)
 ENV_SECTIONS: dict[str, tuple[type[Section], str]] = {
-    "maze": (MazeConfig, "Maze settings (gyre.config.maze, for gyre.envs.maze)."),
+    "maze": (MazeConfig, "Maze settings (gyre.envs.maze)."),
     "arithmetic": (ArithmeticConfig, "Arithmetic settings."),
     "dataset": (DatasetConfig, "Prompt-dataset (JSONL / JSON / Parquet / Arrow) settings."),
     "gymnasium": (GymnasiumConfig, "gymnasium adapter settings."),

@@ -1,8 +1,6 @@
-"""``env.maze``: the maze's settings, declared once (the env is :mod:`gyre.envs.maze`).
-
-The section sits in the config layer, below the envs, so that the config tree
-(:mod:`gyre.config.envs`) never imports an env module; :mod:`gyre.envs.maze` re-exports it.
-"""
+"""``env.maze``: the settings of the text maze (:mod:`gyre.envs.maze`), which the visual maze
+draws too. Here, with the other envs' sections, because the config sits below the envs: an env
+reads its section, the config never imports an env."""
 
 from __future__ import annotations
 

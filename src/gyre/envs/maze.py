@@ -66,8 +66,7 @@ from typing import Any
 
 import numpy as np
 
-# gyre.config.base, not gyre.config: this section is part of the config tree that
-# gyre.config builds (gyre.config.envs), so it must not need that package to be loaded.
+# gyre.config.base, not gyre.config: gyre.config builds its tree lazily (gyre.config.envs).
 from gyre.config.base import ConfigError
 from gyre.config.maze import MazeConfig
 

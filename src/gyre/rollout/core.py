@@ -292,11 +292,11 @@ class Rollout:
             stops=run_stops(cfg, self.tokenizer, self.chat),
             chat=self.chat,
             window=self.window,
-            score=self._score_eval,
         )
         for split, n in (("eval", cfg.eval.episodes), ("val", cfg.eval.validation_episodes)):
             if n:
-                out.update(evaluate(self.engine, self.make_env, self.tokenizer, n, settings, split))
+                play = (self.engine, self.make_env, self.tokenizer)
+                out.update(evaluate(*play, n, settings, split, score=self._score_eval))
         return out
 
     def _score_eval(self, trajs: list[Trajectory]) -> None:

@@ -60,10 +60,7 @@ class EvalSettings:
     ``rollout`` keys): greedy and, with ``sampled``, at ``temperature`` / ``top_p``.
     ``continuous`` is ``perf.continuous`` (see :func:`gyre.rollout.episodes.run_episodes`);
     ``stops`` the run's (default: derived from the tokenizer); ``chat``: message mode;
-    ``window``: ``rollout.history_turns``; ``score``: the run's reward functions
-    (:meth:`gyre.rewards.Rewarder.score`), which set each trajectory's reward as in training,
-    so the held-out reward is the one GRPO optimises (``<split>/reward_<term>_<mode>`` for each
-    term); success stays the env's own."""
+    ``window``: ``rollout.history_turns``."""
 
     temperature: float
     max_new_tokens: int
@@ -74,7 +71,6 @@ class EvalSettings:
     stops: Stops | None = None
     chat: ChatMode | None = None
     window: Window | None = None
-    score: Callable[[list[Trajectory]], object] | None = None
 
 
 def evaluate(
@@ -84,10 +80,14 @@ def evaluate(
     episodes: int,
     settings: EvalSettings,
     split: str = "eval",
+    score: Callable[[list[Trajectory]], object] | None = None,
 ) -> dict[str, float]:
     """Success rate, mean reward, mean moves of ``episodes`` tasks of ``split`` (``eval``: held-out
     seeds, ``val``: validation), greedy and (with ``settings.sampled``) sampled; metrics
-    ``<split>/success_greedy`` ..."""
+    ``<split>/success_greedy`` ...; ``score``: the run's reward functions
+    (:meth:`gyre.rewards.Rewarder.score`), which set each trajectory's reward as in training --
+    the held-out reward is then the one GRPO optimises, with ``<split>/reward_<term>_<mode>``
+    for each term; success stays the env's own."""
     if split not in ("eval", "val"):
         raise ValueError(f"unknown evaluation split {split!r}; valid: eval, val")
     seeds = eval_seeds(episodes) if split == "eval" else validation_seeds(episodes)
@@ -106,8 +106,8 @@ def evaluate(
         )
         mode: EpisodeOptions = {"continuous": st.continuous, "chat": st.chat, "window": st.window}
         trajs = run_episodes(make_env, engine, tokenizer, seeds, 1, params, **mode)
-        if st.score is not None and trajs:
-            st.score(trajs)
+        if score is not None and trajs:
+            score(trajs)
             for term in trajs[0].info.get("rewards", {}):
                 vals = [t.info["rewards"][term] for t in trajs]
                 out[f"{split}/reward_{term}_{name}"] = float(np.mean(vals))
