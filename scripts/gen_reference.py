@@ -22,7 +22,19 @@ PAGES = {
     "config": ROOT / "docs" / "reference" / "config.md",
     "cli": ROOT / "docs" / "reference" / "cli.md",
 }
-COMMANDS = ["train", "sft", "eval", "verify-resume", "submit", "report", "serve", "export"]
+COMMANDS = [
+    "train",
+    "sft",
+    "eval",
+    "verify-resume",
+    "submit",
+    "report",
+    "serve",
+    "export",
+    "import",
+    "tinker-serve",
+    "plan",
+]
 
 
 def type_name(ann: Any) -> str:
