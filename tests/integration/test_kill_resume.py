@@ -29,7 +29,7 @@ from gyre.checkpoint.resume import EXIT_ABORTED, EXIT_FAULTS, EXIT_PREEMPTED, Pr
 from gyre.checkpoint.store import CheckpointStore, set_fault_hook
 from gyre.cli import main
 from gyre.commands.verify_resume import _ForkProc, compare_runs, verify_resume
-from gyre.config import load_config
+from gyre.config import load_config, load_recipe
 
 TINY = [
     "model.hidden_size=32",
@@ -214,7 +214,8 @@ def test_sft_resume_at_epoch_boundary_and_scheduler_steps_once(tmp_path):
 
     set_fault_hook("checkpoint.write", term_at_boundary)  # first checkpoint: SFT step 2
     try:
-        cfg = load_config(None, [*TINY, *extra, f"run.dir={run_dir}"])
+        # the CLI with no config file runs the maze recipe: so does this run, for the resume below
+        cfg = load_recipe(overrides=[*TINY, *extra, f"run.dir={run_dir}"])
         with pytest.raises(Preempted) as info:
             gyre.runners.train(cfg)
     finally:
