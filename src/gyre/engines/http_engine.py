@@ -241,17 +241,22 @@ class HttpEngine:
 
     def _score(self, s: ServerState, ids: list[int]) -> list[float] | None:
         """``ids``' prompt log-probs on server ``s`` (None: it did not answer, taken out)."""
-        from gyre.engines import verify
+        from gyre.engines.verify import (
+            openai_probe_body,
+            parse_openai_prompt_logprobs,
+            parse_sglang_prompt_logprobs,
+            sglang_probe_body,
+        )
 
         try:
             if self.api == "sglang":
-                body = verify.sglang_probe_body(ids, self._adapter[0] if self._adapter else None)
+                body = sglang_probe_body(ids, self._adapter[0] if self._adapter else None)
                 r = self._client.post(f"{s.url}/generate", json=body)
-                parse = verify.parse_sglang_prompt_logprobs
+                parse = parse_sglang_prompt_logprobs
             else:
-                body = verify.openai_probe_body(ids, self.model_name)
+                body = openai_probe_body(ids, self.model_name)
                 r = self._client.post(f"{s.url}/v1/completions", json=body)
-                parse = verify.parse_openai_prompt_logprobs
+                parse = parse_openai_prompt_logprobs
         except self._httpx.TransportError as exc:
             self._take_out(s, f"sync check: {exc!r}")
             return None
