@@ -148,9 +148,14 @@ def test_run_continues_through_hung_oom_and_network_rewards(tmp_path, listener):
         # the well-behaved half scores 1 on each term, the failed half the failure reward 0
         assert r["reward/sleeper_mean"] == r["reward/hog_mean"] == 0.5
         assert math.isfinite(r["train/loss"])
-    assert records[-1]["reward/sandbox_failures_total"] == 2 * (4 + net_failures)
+    # the held-out evaluation before GRPO is scored by the same sandboxed terms: one of its two
+    # episodes misbehaves (sleeper and hog fail, and the dialer where the network is isolated)
+    evaluation = 2 + net_failures // 2
+    assert records[-1]["reward/sandbox_failures_total"] == 2 * (4 + net_failures) + evaluation
     logged = [json.loads(x) for x in (run_dir / "reward_failures.jsonl").read_text().splitlines()]
-    assert len(logged) == 2 * (4 + net_failures)
+    # two training steps, and the evaluations before and after GRPO (logged as step 0)
+    assert len([x for x in logged if x["step"] > 0]) == 2 * (4 + net_failures)
+    assert len([x for x in logged if x["step"] == 0]) == 2 * evaluation
     kinds = {x["kind"] for x in logged}
     assert {"timeout", "memory"} <= kinds
     if NETNS:

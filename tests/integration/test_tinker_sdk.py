@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -239,7 +240,9 @@ def test_bad_requests_name_the_field_and_the_server_survives(served, client):
             "num_samples": 2,
         },
     ).json()["request_id"]
-    with pytest.raises(httpx.TimeoutException):
+    # the client gives up after 50 ms, mid-future (a server that already finished answers
+    # instead): either way the server must go on serving, which the calls below check
+    with contextlib.suppress(httpx.TimeoutException):
         httpx.post(
             f"{served.url}/api/v1/retrieve_future",
             headers=h,

@@ -177,6 +177,7 @@ def test_maze_info_says_which_actions_were_invalid():
 def test_http_engine_sends_a_request_temperature_in_its_body():
     engine = object.__new__(HttpEngine)
     engine.api, engine._pool = "openai", ThreadPoolExecutor(2)
+    engine.timeout_s, engine.max_retries, engine.servers = 5.0, 0, []
     sent: list[float] = []
 
     def complete(prompt, params, index, images):
