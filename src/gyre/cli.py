@@ -10,6 +10,7 @@
     gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
     gyre import FILE.gguf --out DIR            a GGUF checkpoint as a Hugging Face folder
     gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
+    gyre plan [RUN_DIR] --nodes N              where rollout and training go on N nodes
 
 Exit codes: 0 done, 1 error, 2 config or input error (a key, a file, a dataset row: named on
 one line), 3 aborted by a fault policy (faults.*, or nan/inf weights after an update), 75 stopped
@@ -70,7 +71,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "--debug", action="store_true", help="on an error, also print the traceback"
     )
     sub = parser.add_subparsers(
-        dest="command", metavar="{train,sft,eval,verify-resume,report,serve,export,submit}"
+        dest="command",
+        metavar="{train,sft,eval,verify-resume,report,plan,submit,serve,export,import,"
+        "tinker-serve}",
     )
     helps = {
         "train": "SFT warm start (if sft.steps > 0) then GRPO; the default runs the maze demo",
@@ -95,6 +98,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
     sub.add_parser("plan", help="placement planner: gyre plan [RUN_DIR] --nodes N")
     _add_submit(sub)
+    # dispatched before this parser (their own flags); listed here so that --help names them
+    sub.add_parser("serve", help="serve a model over HTTP: gyre serve --help")
+    sub.add_parser("export", help="export a run's weights: gyre export --help")
+    sub.add_parser("import", help="a GGUF file as a Hugging Face folder: gyre import --help")
+    sub.add_parser(
+        "tinker-serve", help="the Tinker API for the official SDK: gyre tinker-serve --help"
+    )
     ns = parser.parse_args(argv)
     if ns.help_config:
         print("\n".join(describe_fields()))
