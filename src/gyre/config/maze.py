@@ -75,10 +75,7 @@ class MazeConfig(Section):
         return self
 
 
-MAZE_CHAT_SYSTEM = (
-    "You walk a grid maze to the goal. Each message shows the goal's offset (u2r1: 2 rows up, "
-    "1 column right) and the open moves. Reply with one move: u, d, l or r."
-)
+MAZE_CHAT_SYSTEM = "Walk the maze to the goal G. Reply with one move: u, d, l or r."
 
 
 class MazeChatConfig(Section):
