@@ -42,6 +42,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_trl
+import vs_trl_tasks
 from gyre.config import ModelConfig
 from gyre.models.build import create_tiny_checkpoint
 
@@ -117,20 +118,20 @@ def profile_gyre(path: Path, args: argparse.Namespace) -> dict[str, float]:
     import gyre.trainer.update as upd
 
     ph = Phases()
-    saved = vs_trl.evaluate_rewards
-    vs_trl.evaluate_rewards = _untimed_eval(saved)
+    saved = vs_trl.evaluate
+    vs_trl.evaluate = _untimed_eval(saved)
     targets = [
         *_common(),
-        (vs_trl, "run_episodes", "rollout", _not_eval),
+        (vs_trl_tasks, "run_episodes", "rollout", _not_eval),
         (upd, "prepare_batch", "old_logprobs", None),
         (upd, "policy_forward", "forward", None),
         (vs_trl.TorchEngine, "load_weights", "weight_sync", None),
     ]
     try:
         with patched(targets, ph):
-            res = vs_trl.run_gyre(path, args)
+            res = vs_trl.run_gyre(path, _task(args), args)
     finally:
-        vs_trl.evaluate_rewards = saved
+        vs_trl.evaluate = saved
     return _per_step(ph, res["seconds"], args.steps)
 
 
@@ -150,8 +151,12 @@ def profile_trl(path: Path, args: argparse.Namespace, work: Path) -> dict[str, f
         (G, "_get_per_token_logps_and_entropies", "forward", torch.is_grad_enabled),
     ]
     with patched(targets, ph):
-        res = vs_trl.run_trl(path, args, work)
+        res = vs_trl.run_trl(path, _task(args), args, work)
     return _per_step(ph, res["seconds"], args.steps)
+
+
+def _task(args: argparse.Namespace) -> vs_trl_tasks.ArithmeticTask:
+    return vs_trl_tasks.ArithmeticTask(args.max_operand, args.seed)
 
 
 def _per_step(ph: Phases, wall: float, steps: int) -> dict[str, float]:
@@ -240,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         work = Path(tmp)
         base = create_tiny_checkpoint(ModelConfig(), work / "tiny", 0)
         warm = vs_trl.warm_start(base, work / "warm", args.sft_steps, 0, args.max_operand)
-        vs_trl.run_gyre(warm, vs_trl.parse_args(["--quick"]))  # warm-up (imports, caches)
+        quick = vs_trl.parse_args(["--quick"])
+        vs_trl.run_gyre(warm, _task(quick), quick)  # warm-up (imports, caches)
         report["gyre"] = profile_gyre(warm, args)
         print("gyre s/step by phase:", report["gyre"], flush=True)
         if not a.no_trl:

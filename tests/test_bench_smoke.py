@@ -64,6 +64,48 @@ def test_vs_trl_bench_quick() -> None:
         assert key in report
 
 
+def test_vs_trl_bench_model_quick(tmp_path) -> None:
+    """``--model DIR``: a tiny chat model (a ChatML template) on a prompt dataset, both sides
+    from the same templated prompt ids (the bench asserts it), greedy and sampled held-out."""
+    pytest.importorskip("trl", reason="TRL is a bench extra: pip install 'gyre[bench]'")
+    pytest.importorskip("math_verify", reason="math_answer needs 'gyre[math]'")
+    from chat_helpers import build_chat_model, build_chat_tokenizer
+
+    tok = build_chat_tokenizer("chatml")
+    build_chat_model(tok, arch="llama").save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rows = [{"prompt": f"What is {k} + 2?", "answer": k + 2, "id": k} for k in range(14)]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = ["--model", str(tmp_path / "model"), "--tasks", str(tasks), "--quick"]
+    report = _last_json(VS_TRL, *model)
+    assert report["samples"] == 2 * 2 * 2 and report["train_rows"] == 4
+    assert report["prompt_ids_checked"] == 2 and report["sft_steps"] == 0
+    assert report["gyre_samples_per_s"] > 0 and report["trl_samples_per_s"] > 0
+    for key in ("gyre_eval_reward_greedy", "trl_eval_reward_greedy", "start_eval_reward_greedy"):
+        assert 0.0 <= report[key] <= 1.0
+    assert report["eval_reward_greedy_gyre_minus_trl"]["verdict"] in ("equal", "better", "worse")
+    # training rows and the 8 held-out ones must not overlap
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(VS_TRL),
+            *model[:4],
+            "--prompts",
+            "2",
+            "--steps",
+            "4",
+            "--eval-tasks",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0 and "6 rows before the 8 held-out" in proc.stderr
+
+
 def test_scaling_bench_quick() -> None:
     report = _last_json(SCALING, "--quick")
     assert report["bench"] == "scaling"
