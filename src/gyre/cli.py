@@ -310,8 +310,10 @@ def _run(argv: list[str]) -> int:
             rows.append(("last step", s["last"]))
         if s["before"] or s["after"]:
             console.print(_table(rows, scored_by_env))
-        else:  # train.source: the recorded agent's tasks are not gyre's to evaluate
+        elif cfg.train.source:  # the recorded agent's tasks are not gyre's to evaluate
             console.print("no held-out evaluation (train.source: recorded episodes)")
+        else:
+            console.print("no held-out evaluation (eval.episodes=0)")
         console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
     elif ns.command == "sft":
         run_dir, device = loop.setup(cfg)
