@@ -25,7 +25,8 @@ log = logging.getLogger("gyre.tinker")
 
 # Feature flags the SDK reads from /api/v1/client/config; everything not listed keeps the SDK's
 # default. Chunks of one forward_backward go one after another (so arrival order is seq_id
-# order), custom losses run client-side, and samples are fetched one retrieve_future each.
+# order), custom losses are uploaded and run here, and samples are fetched one retrieve_future
+# each.
 V1 = "/api/v1"
 
 CLIENT_CONFIG = {
@@ -34,7 +35,7 @@ CLIENT_CONFIG = {
     "proto_compress_fwdbwd": False,
     "use_pyqwest_transport": False,
     "sample_use_retrieve_futures": False,
-    "custom_loss_server_side": False,
+    "custom_loss_server_side": True,
     "sample_join_sampling_session": False,
 }
 
@@ -161,6 +162,10 @@ def _training_routes(app: Any, service: TinkerService) -> None:
         raw = await request.body()
         call = decode_forward_backward(raw, request.headers.get("content-encoding", ""))
         return future(service.forward_backward(call), model_id=call.model_id)
+
+    @app.post(f"{V1}/create_custom_loss")
+    async def create_custom_loss(request: Request) -> Any:
+        return future(service.create_custom_loss(await _body(request)))
 
     @app.post(f"{V1}/optim_step")
     async def optim_step(request: Request) -> Any:
