@@ -252,6 +252,7 @@ def build_service(cfg: TinkerServeConfig) -> TinkerService:
     """Load (or build, for the tiny default) the base model and wrap it in the service."""
     from gyre.config import ModelConfig
     from gyre.models.build import create_tiny_checkpoint, load_pretrained, resolve_device
+    from gyre.models.hub import looks_like_hub_id, resolve_model_path
     from gyre.tinker.tenants import BaseModelHost
 
     device = resolve_device(cfg.device, "device")
@@ -260,9 +261,15 @@ def build_service(cfg: TinkerServeConfig) -> TinkerService:
         path = str(Path(cfg.state_dir) / "tiny-base")
         if not (Path(path) / "config.json").is_file():
             create_tiny_checkpoint(ModelConfig(), path, cfg.seed)
-    model, tokenizer = load_pretrained(path, device)
+    # a hub id (org/name) loads from the hub cache (downloaded when online); clients name it
+    # by the id, and fetch its tokenizer by the id too
+    folder = resolve_model_path(path, "model_path")
+    hub_id = path if looks_like_hub_id(path) and not Path(path).expanduser().exists() else None
+    model, tokenizer = load_pretrained(str(folder), device)
     model.requires_grad_(False)
-    host = BaseModelHost(model, tokenizer, cfg.model_name or path, path, cfg.lora_alpha)
+    host = BaseModelHost(
+        model, tokenizer, cfg.model_name or path, str(folder), cfg.lora_alpha, hub_id
+    )
     return TinkerService(cfg, host, device)
 
 

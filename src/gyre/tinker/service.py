@@ -98,7 +98,8 @@ class TinkerService:
 
     # -- models -------------------------------------------------------------------------------
     def names(self) -> set[str]:
-        return {self.host.name, self.host.path, str(Path(self.host.path).resolve())}
+        names = {self.host.name, self.host.path, str(Path(self.host.path).resolve())}
+        return names | ({self.host.hub_id} if self.host.hub_id else set())
 
     def _check_base(self, name: str, key: str = "base_model") -> None:
         if name not in self.names():
@@ -163,7 +164,7 @@ class TinkerService:
             "model_data": {
                 "arch": type(self.host.base).__name__,
                 "model_name": self.host.name,
-                "tokenizer_id": str(Path(self.host.path).resolve()),
+                "tokenizer_id": self.host.hub_id or str(Path(self.host.path).resolve()),
             },
             "is_lora": t.lora is not None,
             "lora_rank": None if t.lora is None else t.lora.rank,
