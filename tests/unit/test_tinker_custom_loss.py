@@ -102,3 +102,15 @@ def test_attribute_reads_and_metric_names_are_limited():
         compile_custom_loss(bad)
     with pytest.raises(UserError, match=r"inputs\[0\]: must be logprobs"):
         compile_custom_loss({**body, "inputs": [{"name": "weights", "rank": 1}]})
+
+
+def test_a_node_that_fails_at_run_time_is_a_user_error_naming_it():
+    body = _body(clipped_pg, {"logprobs": 1, "sampled": 1, "advantages": 1})
+    nodes = body["graph"]["nodes"]
+    assert any(n["name"] == "getitem" for n in nodes)  # shape[0], a Python int
+    bad = {"op": "call_method", "name": "bad", "target": "sum", "args": [{"ref": "getitem"}]}
+    nodes.insert(len(nodes) - 1, {**bad, "kwargs": {}})
+    loss = compile_custom_loss(body)
+    z = torch.zeros(2)
+    with pytest.raises(UserError, match=r"custom loss 'clipped_pg', node 'bad': .*sum"):
+        loss(z, {"sampled": z, "advantages": z})

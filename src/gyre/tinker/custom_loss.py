@@ -89,7 +89,14 @@ class CustomLoss:
                     env[name] = getattr(a[0], a[1])
                 else:
                     env[name] = FUNCTIONS[node["target"]](*a, **kw)
-            except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            except (
+                ArithmeticError,
+                AttributeError,
+                IndexError,
+                RuntimeError,
+                TypeError,
+                ValueError,
+            ) as exc:
                 raise UserError(f"custom loss {self.name!r}, node {name!r}: {exc}") from None
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
