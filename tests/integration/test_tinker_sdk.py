@@ -249,6 +249,17 @@ def test_bad_requests_name_the_field_and_the_server_survives(served, client):
             json={"request_id": rid},
             timeout=0.05,
         )
+    # ... and the abandoned work is not lost: asking again later gets the finished samples
+    for _ in range(60):
+        r = httpx.post(
+            f"{served.url}/api/v1/retrieve_future", headers=h, json={"request_id": rid}, timeout=30
+        )
+        if "protobuf" in r.headers.get("content-type", ""):
+            break
+        assert r.json().get("type") == "try_again", r.text
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    assert len(deserialize_sample_response(r.content).sequences) == 2
     assert sess["session_id"]
     assert (
         len(
@@ -300,7 +311,12 @@ def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path):
         data = _sl_data(tc.get_tokenizer())
         _steps(tc, data, 2)
         path = tc.save_state("acked").result().path
+        sampler_path = tc.save_weights_for_sampler("acked-sampler").result().path
+        prompt = data[0].model_input
+        seen = sc.create_sampling_client(model_path=sampler_path).compute_logprobs(prompt).result()
         before = _logprobs(tc, data)
+        tail = _steps(tc, data, 2)  # what training would have done next
+        tc.load_state_with_optimizer(path).result()
         tc.forward_backward(data, "cross_entropy")  # in flight when the server dies
         proc.kill()
         proc.wait(timeout=30)
@@ -309,6 +325,9 @@ def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path):
         back = sc2.create_training_client_from_state_with_optimizer(path).result()
         for x, y in zip(before, _logprobs(back, data), strict=True):
             assert np.array_equal(x, y)
+        assert _steps(back, data, 2) == tail  # the optimizer state came back too
+        again = sc2.create_sampling_client(model_path=sampler_path)
+        assert again.compute_logprobs(prompt).result() == seen
         sc2.close("success").result()
     finally:
         proc.kill()

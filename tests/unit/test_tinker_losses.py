@@ -78,7 +78,7 @@ def test_dro_is_reward_weighted_logprob_with_a_quadratic_penalty():
 def test_unsupported_and_bad_inputs_name_the_reason_and_the_field():
     with pytest.raises(Unsupported, match="stability info"):
         _run("stable_reinforce", [0.0], logprobs=[0.0], advantages=[0.0])
-    with pytest.raises(Unsupported, match="client-side"):
+    with pytest.raises(UserError, match=r"loss_fn_config\.loss_id"):
         _run("custom", [0.0])
     with pytest.raises(UserError, match="valid: cross_entropy, importance_sampling"):
         get_loss("nope")

@@ -15,11 +15,14 @@ import torch
 
 from gyre.engines.torch_engine import TorchEngine
 from gyre.rollout.stops import cut_at_stop
+from gyre.tinker.custom_loss import CustomLoss
 from gyre.tinker.errors import Unsupported, UserError
 from gyre.tinker.losses import get_loss
 from gyre.tinker.tenants import Tenant
-from gyre.tinker.wire import FwdBwdCall, SampledSeq
+from gyre.tinker.wire import MASK_LOGPROB, FwdBwdCall, SampledSeq
 from gyre.types import GenerationRequest, SamplingParams
+
+MAX_TOPK = 100  # widest top-k a sampling request may ask for
 
 
 def _targets(call: FwdBwdCall, vocab: int) -> list[torch.Tensor]:
@@ -57,17 +60,53 @@ def _chunks(lengths: list[int], budget: int) -> list[range]:
     return out
 
 
+class CustomRun:
+    """A ``create_custom_loss`` graph as a per-datum loss: checks each datum's inputs against
+    the declared ranks, and adds up the metrics (``:sum`` summed, ``:mean`` averaged)."""
+
+    def __init__(self, loss: CustomLoss, n_data: int) -> None:
+        self.loss, self.n_data, self.sums = loss, n_data, {}
+
+    def __call__(self, lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict):
+        for name, rank in self.loss.inputs:
+            value = lp if name == "logprobs" else inputs.get(name)
+            key = "target_tokens" if name == "logprobs" else name
+            if value is None:
+                raise UserError(f"loss_fn_inputs.{key}: required by custom loss {self.loss.name!r}")
+            if rank == 0 and value.numel() == 1:
+                inputs[name] = value = value.reshape(())
+            if value.dim() != rank:
+                raise UserError(
+                    f"loss_fn_inputs.{key}: rank {value.dim()}, custom loss "
+                    f"{self.loss.name!r} declared {name} with rank {rank}"
+                )
+        loss, metrics = self.loss(lp, inputs)
+        for key, value in metrics.items():
+            v = float(value.detach().sum()) if isinstance(value, torch.Tensor) else float(value)
+            self.sums[key] = self.sums.get(key, 0.0) + v
+        return loss, None
+
+    def metrics(self) -> dict[str, float]:
+        return {k: v / self.n_data if k.endswith(":mean") else v for k, v in self.sums.items()}
+
+
 def forward_backward(
-    tenant: Tenant, call: FwdBwdCall, device: torch.device, pad_id: int, budget: int
+    tenant: Tenant,
+    call: FwdBwdCall,
+    device: torch.device,
+    pad_id: int,
+    budget: int,
+    custom: CustomLoss | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
-    """Score every datum's targets, apply ``call.loss_fn`` per datum, and (unless
-    ``forward_only``) add the gradient of the summed loss to the tenant's parameters.
+    """Score every datum's targets, apply ``call.loss_fn`` (or the uploaded ``custom`` loss)
+    per datum, and (unless ``forward_only``) add the gradient of the summed loss to the
+    tenant's parameters.
 
     Datums run in micro-batches of at most ``budget`` padded tokens (the (B, T, V) log-probs of
     a large vocabulary are the memory peak); gradients add up across them, as the losses are
     sums. A micro-batch with a non-finite loss fails the request after the earlier ones of the
     same call have added their gradients."""
-    loss_fn = get_loss(call.loss_fn)
+    loss_fn = get_loss(call.loss_fn) if custom is None else CustomRun(custom, len(call.data))
     if not call.data:
         raise UserError("data: empty")
     model = tenant.activate()
@@ -99,7 +138,8 @@ def forward_backward(
             if not call.forward_only:
                 part.backward()
         total += float(part.item())
-    return outputs, {"loss:sum": total}
+    extra = loss_fn.metrics() if isinstance(loss_fn, CustomRun) else {}
+    return outputs, {**extra, "loss:sum": total}
 
 
 def _datum_loss(
@@ -109,8 +149,12 @@ def _datum_loss(
     n = logp.shape[0]
     target = target.to(logp.device)
     lp = logp.gather(-1, target.view(n, -1)).view(target.shape)
+    # A custom loss may read integer inputs (indices); the built-in losses read floats.
+    keep_ints = isinstance(loss_fn, CustomRun)
     inputs = {
-        k: torch.tensor(np.asarray(v, dtype=np.float32), device=logp.device)
+        k: torch.from_numpy(
+            np.array(v, dtype=np.int64 if keep_ints and v.dtype.kind in "iu" else np.float32)
+        ).to(logp.device)
         for k, v in call.data[i].inputs.items()
         if k != "target_tokens"
     }
@@ -118,10 +162,9 @@ def _datum_loss(
         loss, per_token = loss_fn(lp, inputs, call.loss_fn_config)
     except UserError as exc:
         raise type(exc)(f"data[{i}].{exc.message}") from None
-    out = {
-        "logprobs": lp.detach().cpu().numpy(),
-        "elementwise_loss": per_token.detach().cpu().numpy(),
-    }
+    out = {"logprobs": lp.detach().cpu().numpy()}
+    if per_token is not None:
+        out["elementwise_loss"] = per_token.detach().cpu().numpy()
     return loss, out
 
 
@@ -171,6 +214,8 @@ class SampleJob:
     prompt_logprobs: bool
     params: SamplingParams
     stop_texts: tuple[str, ...]
+    topk_prompt: int = 0  # the k most likely tokens at every scored prompt position
+    last_n: int | None = None  # score only the last N prompt positions
 
 
 def check_sample(
@@ -180,11 +225,19 @@ def check_sample(
     prompt, params = request["prompt_ids"], request["sampling_params"]
     if params.get("top_k", -1) not in (-1, 0, None):
         raise Unsupported("sampling_params.top_k: only -1 (no top-k) is supported")
-    for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if request.get(key):
-            raise Unsupported(f"{key}: not supported by this server")
+    if request.get("prompt_alt_tokens_k"):
+        raise Unsupported("prompt_alt_tokens_k: not supported by this server")
     if request.get("target_prompt_logprobs") is not None:
         raise Unsupported("target_prompt_logprobs: not supported by this server")
+    topk_prompt, topk_sample = (
+        _topk(request, key, vocab) for key in ("topk_prompt_logprobs", "topk_sample_logprobs")
+    )
+    last_n = request.get("prompt_logprobs_last_n")
+    if last_n is not None and (not isinstance(last_n, int) or not 1 <= last_n < len(prompt)):
+        raise UserError(
+            f"prompt_logprobs_last_n: must be in [1, {len(prompt) - 1}] (len(prompt) - 1), "
+            f"got {last_n!r}"
+        )
     if max(prompt) >= vocab:
         raise UserError(f"prompt: token ids must be in [0, {vocab})")
     room = max_context - len(prompt)
@@ -200,12 +253,24 @@ def check_sample(
         raise UserError("sampling_params: need temperature >= 0 and 0 < top_p <= 1")
     stop_ids, stop_texts = _stops(params.get("stop"), tokenizer.eos_token_id)
     sp = SamplingParams(
-        temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, stop_token_ids=stop_ids
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_tokens,
+        stop_token_ids=stop_ids,
+        top_logprobs=topk_sample,
     )
     seed = seed if params.get("seed") is None else int(params["seed"])
+    want_prompt = bool(request.get("prompt_logprobs"))
     return SampleJob(
-        tuple(prompt), request["n"], seed, bool(request.get("prompt_logprobs")), sp, stop_texts
+        tuple(prompt), request["n"], seed, want_prompt, sp, stop_texts, topk_prompt, last_n
     )
+
+
+def _topk(request: dict[str, Any], key: str, vocab: int) -> int:
+    k = request.get(key) or 0
+    if not isinstance(k, int) or not 0 <= k <= min(vocab, MAX_TOPK):
+        raise UserError(f"{key}: must be an integer in [0, {min(vocab, MAX_TOPK)}], got {k!r}")
+    return k
 
 
 def sample_batch(
@@ -214,9 +279,9 @@ def sample_batch(
     tokenizer: Any,
     jobs: list[SampleJob],
     max_rows: int,
-) -> list[tuple[list[SampledSeq], np.ndarray | None]]:
+) -> list[tuple[list[SampledSeq], PromptScores]]:
     """Every job's ``n`` completions in one batch of gyre's engine (the jobs share
-    ``params``), and each job's prompt logprobs (NaN at position 0) when asked. Sample i of a
+    ``params``), and each job's prompt scores when asked (:func:`_prompt_logprobs`). Sample i of a
     job draws from the stream keyed by (job seed + i), whatever else shares the batch; at most
     ``max_rows`` sequences decode at once (continuous batching admits the rest as rows finish)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -229,11 +294,13 @@ def sample_batch(
             GenerationRequest(list(j.prompt), seed=j.seed + i) for j in jobs for i in range(j.n)
         ]
         comps = iter(engine.generate(reqs, jobs[0].params))
-        prompt_lps = [
-            _prompt_logprobs(module, j.prompt) if j.prompt_logprobs else None for j in jobs
+        scored = [
+            _prompt_logprobs(module, j) if j.prompt_logprobs or j.topk_prompt else PromptScores()
+            for j in jobs
         ]
     out = []
-    for job, prompt_lp in zip(jobs, prompt_lps, strict=True):
+    k = jobs[0].params.top_logprobs
+    for job, prompt_scores in zip(jobs, scored, strict=True):
         seqs = []
         for _ in range(job.n):
             c = next(comps)
@@ -241,17 +308,51 @@ def sample_batch(
             cut = cut_at_stop(tokens, job.stop_texts, lambda t: tokenizer.decode(list(t)))
             if cut is not None:
                 tokens, lps, stopped = tokens[:cut], lps[:cut], True
-            seqs.append(SampledSeq(tokens, lps, stopped))
-        out.append((seqs, prompt_lp))
+            top = _topk_rows(c.top_logprobs[: len(tokens)], k) if k else None
+            seqs.append(SampledSeq(tokens, lps, stopped, top))
+        out.append((seqs, prompt_scores))
     return out
 
 
-def _prompt_logprobs(module: torch.nn.Module, prompt: tuple[int, ...]) -> np.ndarray:
+def _topk_rows(rows: list[dict[int, float]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's per-token {id: logprob} as (N, k) id and logprob matrices, best first."""
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), MASK_LOGPROB, dtype=np.float32)
+    for r, row in enumerate(rows):
+        best = sorted(row.items(), key=lambda kv: -kv[1])[:k]
+        ids[r, : len(best)] = [t for t, _ in best]
+        lps[r, : len(best)] = [v for _, v in best]
+    return ids, lps
+
+
+@dataclass
+class PromptScores:
+    """A job's prompt scoring: logprobs (P,) NaN where unscored; top-k (P, k) matrices."""
+
+    logprobs: np.ndarray | None = None
+    topk: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def _prompt_logprobs(module: torch.nn.Module, job: SampleJob) -> PromptScores:
+    """The untempered model's log-probabilities of each prompt token given the ones before
+    it, and (``topk_prompt``) its k most likely tokens there; position 0, and positions before
+    the last ``last_n``, are unscored (NaN; top-k rows of token 0 at the SDK's mask value)."""
+    prompt = job.prompt
     device = next(module.parameters()).device
     ids = torch.tensor([prompt], device=device)
     logp = torch.log_softmax(module(input_ids=ids).logits.float()[0], dim=-1)  # (P, V)
-    out = np.full(len(prompt), np.nan, dtype=np.float32)
+    first = 1 if job.last_n is None else len(prompt) - job.last_n
+    lp = np.full(len(prompt), np.nan, dtype=np.float32)
     if len(prompt) > 1:
-        got = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
-        out[1:] = got.cpu().numpy()
-    return out
+        got = logp[first - 1 : -1].gather(-1, ids[0, first:, None])[:, 0]
+        lp[first:] = got.cpu().numpy()
+    top = None
+    if job.topk_prompt:
+        k = job.topk_prompt
+        top_ids = np.zeros((len(prompt), k), dtype=np.int32)
+        top_lps = np.full((len(prompt), k), MASK_LOGPROB, dtype=np.float32)
+        best = logp[first - 1 : -1].topk(k, dim=-1)
+        top_ids[first:] = best.indices.cpu().numpy()
+        top_lps[first:] = best.values.cpu().numpy()
+        top = (top_ids, top_lps)
+    return PromptScores(lp if job.prompt_logprobs else None, top)

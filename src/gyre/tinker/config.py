@@ -11,7 +11,9 @@ class TinkerServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_path: str = Field(
-        "", description="base model: a local Hugging Face folder (empty: build the tiny model)"
+        "",
+        description="base model: a local Hugging Face folder or a hub id, read from the hub cache "
+        "(empty: build the tiny model)",
     )
     model_name: str = Field(
         "",

@@ -23,9 +23,9 @@ ppo and cispo default 0.8 / 1.2, gspo 1 - 3e-4 / 1 + 4e-4 as in the GSPO paper) 
 ``weights``, when given to an RL loss other than gspo, multiplies each token's loss.
 
 ``stable_reinforce`` needs per-sequence "stability info" that Tinker's own sampler records;
-its formula is not published, so it is refused with that reason. ``custom`` (a loss graph
-uploaded with ``create_custom_loss``) is refused too: this server tells the SDK to run custom
-losses client-side (``forward_backward_custom`` then sends a ``cross_entropy`` request).
+its formula is not published, so it is refused with that reason. ``custom`` runs a loss graph
+uploaded with ``create_custom_loss`` (:mod:`gyre.tinker.custom_loss`), named by
+``loss_fn_config.loss_id``; the service resolves it, so it never reaches ``get_loss``.
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ def dro(lp: torch.Tensor, inputs: Inputs, config: dict):
     return per_token.sum(), per_token
 
 
-def _refuse(reason: str) -> LossFn:
+def _refuse(reason: str, error: type[UserError] = Unsupported) -> LossFn:
     def fn(lp: torch.Tensor, inputs: Inputs, config: dict):
-        raise Unsupported(reason)
+        raise error(reason)
 
     return fn
 
@@ -147,8 +147,8 @@ LOSSES: dict[str, LossFn] = {
         "recorded by Tinker's own sampler, whose formula is not published"
     ),
     "custom": _refuse(
-        "loss_fn 'custom' (a server-side custom loss) is not supported: this server runs "
-        "forward_backward_custom losses client-side"
+        "loss_fn 'custom' needs loss_fn_config.loss_id, the id create_custom_loss returned",
+        UserError,
     ),
 }
 

@@ -25,7 +25,8 @@ log = logging.getLogger("gyre.tinker")
 
 # Feature flags the SDK reads from /api/v1/client/config; everything not listed keeps the SDK's
 # default. Chunks of one forward_backward go one after another (so arrival order is seq_id
-# order), custom losses run client-side, and samples are fetched one retrieve_future each.
+# order), custom losses are uploaded and run here, and samples are fetched one retrieve_future
+# each.
 V1 = "/api/v1"
 
 CLIENT_CONFIG = {
@@ -34,7 +35,7 @@ CLIENT_CONFIG = {
     "proto_compress_fwdbwd": False,
     "use_pyqwest_transport": False,
     "sample_use_retrieve_futures": False,
-    "custom_loss_server_side": False,
+    "custom_loss_server_side": True,
     "sample_join_sampling_session": False,
 }
 
@@ -162,6 +163,10 @@ def _training_routes(app: Any, service: TinkerService) -> None:
         call = decode_forward_backward(raw, request.headers.get("content-encoding", ""))
         return future(service.forward_backward(call), model_id=call.model_id)
 
+    @app.post(f"{V1}/create_custom_loss")
+    async def create_custom_loss(request: Request) -> Any:
+        return future(service.create_custom_loss(await _body(request)))
+
     @app.post(f"{V1}/optim_step")
     async def optim_step(request: Request) -> Any:
         return future(service.optim_step(await _body(request)))
@@ -247,6 +252,7 @@ def build_service(cfg: TinkerServeConfig) -> TinkerService:
     """Load (or build, for the tiny default) the base model and wrap it in the service."""
     from gyre.config import ModelConfig
     from gyre.models.build import create_tiny_checkpoint, load_pretrained, resolve_device
+    from gyre.models.hub import looks_like_hub_id, resolve_model_path
     from gyre.tinker.tenants import BaseModelHost
 
     device = resolve_device(cfg.device, "device")
@@ -255,9 +261,15 @@ def build_service(cfg: TinkerServeConfig) -> TinkerService:
         path = str(Path(cfg.state_dir) / "tiny-base")
         if not (Path(path) / "config.json").is_file():
             create_tiny_checkpoint(ModelConfig(), path, cfg.seed)
-    model, tokenizer = load_pretrained(path, device)
+    # a hub id (org/name) loads from the hub cache (downloaded when online); clients name it
+    # by the id, and fetch its tokenizer by the id too
+    folder = resolve_model_path(path, "model_path")
+    hub_id = path if looks_like_hub_id(path) and not Path(path).expanduser().exists() else None
+    model, tokenizer = load_pretrained(str(folder), device)
     model.requires_grad_(False)
-    host = BaseModelHost(model, tokenizer, cfg.model_name or path, path, cfg.lora_alpha)
+    host = BaseModelHost(
+        model, tokenizer, cfg.model_name or path, str(folder), cfg.lora_alpha, hub_id
+    )
     return TinkerService(cfg, host, device)
 
 

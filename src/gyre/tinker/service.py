@@ -19,6 +19,7 @@ import torch
 
 from gyre.tinker import compute
 from gyre.tinker.config import TinkerServeConfig
+from gyre.tinker.custom_loss import CustomLoss, compile_custom_loss
 from gyre.tinker.errors import NotFound, UserError
 from gyre.tinker.futures import FutureQueue
 from gyre.tinker.store import StateStore
@@ -46,6 +47,7 @@ class TinkerService:
         self.tenants: dict[str, Tenant] = {}
         self.samplers: dict[str, dict[str, Any]] = {}
         self._full_samplers: dict[str, torch.nn.Module] = {}
+        self.custom_losses: dict[str, tuple[str, CustomLoss]] = {}  # loss id -> (session, loss)
         self._lock = threading.Lock()
         self._seeds = itertools.count()
         pad = host.tokenizer.pad_token_id
@@ -70,6 +72,9 @@ class TinkerService:
         self.futures.submit(lambda: self._drop_session(session_id) or {}, "finish_session")
 
     def _drop_session(self, session_id: str) -> None:
+        with self._lock:
+            for lid in [k for k, (sid, _) in self.custom_losses.items() if sid == session_id]:
+                del self.custom_losses[lid]
         for mid in [m for m, t in self.tenants.items() if t.session_id == session_id]:
             tenant = self.tenants.pop(mid)
             if tenant.lora is not None:
@@ -93,7 +98,8 @@ class TinkerService:
 
     # -- models -------------------------------------------------------------------------------
     def names(self) -> set[str]:
-        return {self.host.name, self.host.path, str(Path(self.host.path).resolve())}
+        names = {self.host.name, self.host.path, str(Path(self.host.path).resolve())}
+        return names | ({self.host.hub_id} if self.host.hub_id else set())
 
     def _check_base(self, name: str, key: str = "base_model") -> None:
         if name not in self.names():
@@ -158,7 +164,7 @@ class TinkerService:
             "model_data": {
                 "arch": type(self.host.base).__name__,
                 "model_name": self.host.name,
-                "tokenizer_id": str(Path(self.host.path).resolve()),
+                "tokenizer_id": self.host.hub_id or str(Path(self.host.path).resolve()),
             },
             "is_lora": t.lora is not None,
             "lora_rank": None if t.lora is None else t.lora.rank,
@@ -166,12 +172,41 @@ class TinkerService:
         }
 
     # -- training -----------------------------------------------------------------------------
+    def create_custom_loss(self, body: dict[str, Any]) -> str:
+        """Check an uploaded loss graph now (a bad one fails this request, naming the node) and
+        keep it for the session; its id goes in ``loss_fn_config.loss_id``."""
+        sid = _field(body, "session_id", str)
+        seq = _field(body, "custom_loss_seq_id", int)
+        self._check_session(sid)
+        loss = compile_custom_loss(body)
+        loss_id = f"{sid}:loss:{seq}"
+        with self._lock:
+            self.custom_losses[loss_id] = (sid, loss)
+        result = {"type": "create_custom_loss", "loss_id": loss_id}
+        return self.futures.submit(lambda: result, "create_custom_loss")
+
+    def _custom_loss(self, call: FwdBwdCall, tenant: Tenant) -> CustomLoss | None:
+        if call.loss_fn != "custom":
+            return None
+        loss_id = call.loss_fn_config.get("loss_id")
+        with self._lock:
+            found = self.custom_losses.get(loss_id) if isinstance(loss_id, str) else None
+        if found is None:
+            raise UserError(
+                f"loss_fn_config.loss_id: {loss_id!r} is not a loss created with "
+                "create_custom_loss in a live session"
+            )
+        if found[0] != tenant.session_id:
+            raise UserError(f"loss_fn_config.loss_id: {loss_id!r} belongs to another session")
+        return found[1]
+
     def forward_backward(self, call: FwdBwdCall) -> str:
         tenant = self.tenant(call.model_id)
+        custom = self._custom_loss(call, tenant)
 
         def run() -> bytes:
             outputs, metrics = compute.forward_backward(
-                tenant, call, self.device, self.pad_id, self.cfg.train_micro_tokens
+                tenant, call, self.device, self.pad_id, self.cfg.train_micro_tokens, custom
             )
             return encode_forward_backward_output(outputs, metrics)
 
@@ -298,7 +333,7 @@ class TinkerService:
             done = compute.sample_batch(
                 module, context, self.host.tokenizer, jobs, self.cfg.sample_max_rows
             )
-            return [encode_sample_response(seqs, lp) for seqs, lp in done]
+            return [encode_sample_response(seqs, ps.logprobs, ps.topk) for seqs, ps in done]
 
         key = ("sample", str(folder), job.params, job.stop_texts)
         rid = self.futures.submit_batchable(key, job, run, "sample")

@@ -102,10 +102,17 @@ class BaseModelHost:
     """The base model, the peft wrapper its LoRA tenants share, and the tokenizer."""
 
     def __init__(
-        self, model: torch.nn.Module, tokenizer: Any, name: str, path: str, alpha: float
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        name: str,
+        path: str,
+        alpha: float,
+        hub_id: str | None = None,
     ) -> None:
         self.base, self.tokenizer, self.name, self.path = model, tokenizer, name, path
         self.alpha = alpha
+        self.hub_id = hub_id  # the hub id the base was resolved from (path: its cache folder)
         self.peft_model: Any = None  # created with the first LoRA tenant
         self._samplers: list[str] = []  # loaded sampler adapters, oldest first
 

@@ -132,14 +132,31 @@ def encode_forward_backward_output(
     return msg.SerializeToString()
 
 
+MASK_LOGPROB = -99999.0  # the SDK's filler for a top-k row with nothing in it
+
+TopK = tuple[np.ndarray, np.ndarray]  # (N, k) int32 token ids, (N, k) float32 logprobs
+
+
 @dataclass
 class SampledSeq:
     tokens: list[int]
     logprobs: list[float]
     stopped: bool  # True: a stop token/string ended it; False: max_tokens
+    topk: TopK | None = None  # topk_sample_logprobs, one row per token
 
 
-def encode_sample_response(seqs: list[SampledSeq], prompt_logprobs: np.ndarray | None) -> bytes:
+def _put_topk(msg, topk: TopK) -> None:
+    ids, lps = topk
+    msg.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+    msg.logprobs = np.ascontiguousarray(lps, dtype=np.float32).tobytes()
+    msg.length, msg.k = int(ids.shape[0]), int(ids.shape[1])
+
+
+def encode_sample_response(
+    seqs: list[SampledSeq],
+    prompt_logprobs: np.ndarray | None,
+    prompt_topk: TopK | None = None,
+) -> bytes:
     """``SampleResponse``; ``prompt_logprobs`` (len(prompt),) with NaN where none (position 0)."""
     pb = _pb()
     msg = pb.SampleResponse()
@@ -148,6 +165,10 @@ def encode_sample_response(seqs: list[SampledSeq], prompt_logprobs: np.ndarray |
         out.stop_reason = pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH
         out.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         out.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+        if s.topk is not None:
+            _put_topk(out.topk_sampled_logprobs, s.topk)
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if prompt_topk is not None:
+        _put_topk(msg.topk_prompt_logprobs, prompt_topk)
     return msg.SerializeToString()
