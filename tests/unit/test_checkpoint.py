@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -374,3 +375,12 @@ def test_kill_during_same_step_resave_keeps_the_old_copy(tmp_path, tiny, tokeniz
     assert sorted(p.name for p in root.iterdir()) == ["step_000004"]
     assert verify_dir(root / "step_000004") == []
     assert find_resume(tmp_path, "auto") == root / "step_000004"
+
+
+def test_the_package_version_is_pyprojects_and_the_changelogs():
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert gyre.__version__ == declared
+    assert f"## [{declared}]" in (root / "CHANGELOG.md").read_text()
