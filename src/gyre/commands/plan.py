@@ -145,9 +145,10 @@ def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
     step = _median(rows, "time/step_s")
     # what the step spends beyond the actors' work: the rollout and update calls (Ray, data
     # transfer) and the driver's own loop; without the loop's call timings, all of it is o
-    rollout_wait = _median(rows, "time/rollout_s", gen_call)
-    update_call = _median(rows, "time/train_s", train + gather)
-    c_r, c_t = max(0.0, rollout_wait - gen_call), max(0.0, update_call - train - gather)
+    rollout_wait = _median(rows, "time/rollout_s", -1.0)
+    update_call = _median(rows, "time/train_s", -1.0)
+    c_r = max(0.0, rollout_wait - gen_call) if rollout_wait >= 0 else 0.0
+    c_t = max(0.0, update_call - train - gather) if update_call >= 0 else 0.0
     own = max(0.0, step - gen - load - train - gather - c_r - c_t)
     sync_per_gb = (gather + load) / gb if gb else 0.0
     tp = Throughputs(rollout_tokens / gen, train_tokens / train, sync_per_gb, own, 0.0, c_r, c_t)
