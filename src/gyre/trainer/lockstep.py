@@ -13,8 +13,8 @@ while another still calls one deadlocks the group:
   number of micro-batches per optimizer step and of no-grad scoring forwards per batch.
 
 :class:`Lockstep` brings a rank up to the most any rank has: an all-reduce (max) of each count,
-then the missing work as *zero-weight* micro-batches: a forward and backward of the rank's first
-row whose loss is multiplied by 0, so the collectives are joined and the gradient (a sum over
+then the missing work as *zero-weight* micro-batches: a forward and backward of one of the rank's
+rows whose loss is multiplied by 0, so the collectives are joined and the gradient (a sum over
 ranks and micro-batches) is unchanged. A rank with fewer optimizer steps runs empty steps: its
 counts are zero (the step's global counts come from the others) and, under DDP, one zero-weight
 micro-batch gives every parameter a gradient for the sum.
@@ -47,9 +47,17 @@ class Lockstep:
         return self.most(done) - done if self.forwards else 0
 
 
+def padding_rows(batch: TokenBatch) -> slice:
+    """The row a zero-weight micro-batch runs: the one with the most loss tokens, so its
+    forward really runs (a micro-batch with nothing to score skips the forward, and with it
+    the collectives)."""
+    i = int(batch.loss_mask.sum(dim=1).argmax())
+    return slice(i, i + 1)
+
+
 def padding_row(batch: TokenBatch, advantages: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
-    """The rank's first row and its advantage, in the shape a micro-step takes, for a
-    zero-weight micro-batch."""
-    mb = batch.rows(slice(0, 1))
-    adv = advantages[:1].unsqueeze(-1) if advantages.dim() == 1 else mb.extras["advantages"]
+    """:func:`padding_rows` and its advantage, in the shape a micro-step takes."""
+    rows = padding_rows(batch)
+    mb = batch.rows(rows)
+    adv = advantages[rows].unsqueeze(-1) if advantages.dim() == 1 else mb.extras["advantages"]
     return mb, adv

@@ -24,7 +24,8 @@ def finite_step(optimizer: torch.optim.Optimizer, grad_norm: float, loss: float)
 
 @dataclass
 class Tally:
-    """Running sums of one :func:`~gyre.trainer.update.policy_update` (token sums become means at the end)."""
+    """Running sums of one :func:`~gyre.trainer.update.policy_update` (token sums become means
+    at the end)."""
 
     sums: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("kl", "clipfrac", "entropy", "logprob_gap"), 0.0)

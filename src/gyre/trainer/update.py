@@ -50,7 +50,7 @@ from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
 from gyre.trainer.batch import TokenBatch, consecutive_slices, micro_batches, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
-from gyre.trainer.lockstep import Lockstep, padding_row
+from gyre.trainer.lockstep import Lockstep, padding_row, padding_rows
 from gyre.trainer.loss import TokenTerms, micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
 from gyre.trainer.tally import Tally, finite_step
@@ -181,8 +181,8 @@ def _score_batch(
     model: torch.nn.Module, batch: TokenBatch, train: TrainConfig, what: _Score
 ) -> None:
     """No-grad micro-batched forwards: old log-probs, reference log-probs, values -> extras.
-    Under a lockstep with ``forwards``, zero-weight forwards of the first row follow, up to the
-    most micro-batches of any rank (their results are dropped)."""
+    Under a lockstep with ``forwards``, forwards of one row follow, up to the most micro-batches
+    of any rank (their results are dropped)."""
     was_training = model.training
     model.eval()
     temperature, top_p = train.sampling.temperature, train.sampling.top_p
@@ -216,7 +216,7 @@ def _score_batch(
         for key, value in score(batch.rows(sel)).items():
             put(key, sel, value)
     for _ in range(what.lockstep.extra_forwards(len(micro)) if what.lockstep else 0):
-        score(batch.rows(slice(0, 1)))
+        score(batch.rows(padding_rows(batch)))
     model.train(was_training)
     for key, value in out.items():
         batch.extras[key] = value * batch.loss_mask
