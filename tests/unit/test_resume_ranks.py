@@ -20,7 +20,11 @@ CPU = torch.device("cpu")
 
 
 def _equal_optimizer(a: dict, b: dict) -> None:
-    assert a["param_groups"] == b["param_groups"]
+    """The same moments per parameter slot, and the same hyperparameters in each group."""
+    assert len(a["param_groups"]) == len(b["param_groups"])
+    for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True):
+        assert ga["params"] == gb["params"] and ga["lr"] == gb["lr"]
+        assert all(ga[k] == gb[k] for k in set(ga) & set(gb)), (ga, gb)
     assert a["state"].keys() == b["state"].keys()
     for slot, moments in a["state"].items():
         for key, value in moments.items():
