@@ -9,6 +9,7 @@ model and optimizer state it loads equal what the two ranks held, bitwise.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -39,6 +40,7 @@ def _equal_model(got: dict, want: dict) -> None:
         assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.slow  # two spawned ranks and three trainers: the default suite has no room left
 def test_a_checkpoint_resumes_on_another_rank_count(tmp_path, make_tiny_model, tokenizer):
     model = make_tiny_model(seed=7)
     model.save_pretrained(tmp_path / "m")
