@@ -212,10 +212,12 @@ def _score_batch(
         return got
 
     micro = micro_batches(batch, train.micro_batch_size)
+    # agreed before any forward: under FSDP2 each forward is itself a collective
+    pads = what.lockstep.extra_forwards(len(micro)) if what.lockstep else 0
     for sel in micro:
         for key, value in score(batch.rows(sel)).items():
             put(key, sel, value)
-    for _ in range(what.lockstep.extra_forwards(len(micro)) if what.lockstep else 0):
+    for _ in range(pads):
         score(batch.rows(padding_rows(batch)))
     model.train(was_training)
     for key, value in out.items():
@@ -390,11 +392,12 @@ def _optimizer_step(
     tally.scored_tokens += mini.num_tokens if n_rows else 0
     adv_mini = advantages[mini_idx] if advantages.dim() == 1 else None
     micro = micro_batches(mini, run.train.micro_batch_size) if n_rows else []
+    # agreed before any forward: under FSDP2 each forward is itself a collective
+    pads = run.lockstep.extra_forwards(len(micro)) if run.lockstep is not None else 0
     for sel in micro:
         mb = mini.rows(sel)
         adv = adv_mini[sel].unsqueeze(-1) if adv_mini is not None else mb.extras["advantages"]
         _micro_step(run, tally, mb, adv, counts)
-    pads = run.lockstep.extra_forwards(len(micro)) if run.lockstep is not None else 0
     for _ in range(max(pads, int(padded))):  # DDP's empty step: one, so every grad exists
         _micro_step(run, tally, *padding_row(batch, advantages), counts, pad=True)
     if n_rows == 0:  # every row skipped: the zero gradient AdamW would have seen
