@@ -308,3 +308,121 @@ def save_qwen2_bpe(path: Path, seed: int = 0, newline: bool = True) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def spawn_ranks_bounded(target: Callable[..., None], tmp_path: Path, model, tokenizer,
+                        timeout_s: float) -> None:  # fmt: skip
+    """:func:`spawn_two_ranks`, bounded: ranks still running after ``timeout_s`` (a collective
+    waiting on a rank that has finished) are killed and the test fails, never hangs."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(target, args=(2, port, str(tmp_path), str(tmp_path / "m")),
+                             nprocs=2, join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"the two ranks did not finish within {timeout_s:.0f} s (deadlock)")
+
+
+LOCKSTEP_CASES = {  # name -> (collective, train_cfg overrides); rank 0 gets 5 rows, rank 1 gets 3
+    "fsdp2-micro": ("fsdp2", {"micro_batch_size": 2, "mini_batches": 1,
+                              "old_logprobs": "recompute"}),
+    "fsdp2-steps": ("fsdp2", {"micro_batch_size": 2, "mini_batch_size": 2,
+                              "old_logprobs": "rollout"}),
+    "ddp-steps": ("ddp", {"micro_batch_size": 2, "mini_batch_size": 2,
+                          "old_logprobs": "rollout"}),
+}  # fmt: skip
+
+
+def lockstep_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> None:
+    """One gloo rank of tests/unit/test_lockstep.py: rank 0 updates on rows 0-4 of ``dp_batch``,
+    rank 1 on rows 5-7 (unequal micro-batch and optimizer-step counts), one SGD update per
+    case of :data:`LOCKSTEP_CASES`; rank 0 saves the whole weights and each rank's metrics."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from gyre.models.build import load_pretrained
+    from gyre.trainer.batch import collate
+    from gyre.trainer.distributed import FSDPCollective, TorchCollective, shard_fsdp2
+    from gyre.trainer.update import policy_update, prepare_batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    sl = slice(0, 5) if rank == 0 else slice(5, 8)
+    out = {}
+    for name, (kind, overrides) in LOCKSTEP_CASES.items():
+        model, _ = load_pretrained(model_dir, torch.device("cpu"))
+        trajs, adv = dp_batch(model)
+        model = shard_fsdp2(model) if kind == "fsdp2" else model
+        comm = FSDPCollective() if kind == "fsdp2" else TorchCollective()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        settings = train_cfg(loss_agg="token-mean", max_grad_norm=1e9, **overrides)
+        batch = collate(trajs[sl], 0, torch.device("cpu"))
+        lock = comm.lockstep()
+        prepare_batch(model, batch, settings, lockstep=lock)
+        m = policy_update(model, opt, batch, adv[sl], settings, generator=torch.Generator(),
+                          reduce_counts=comm.reduce_counts, sync_grads=comm.sync_gradients,
+                          lockstep=lock)  # fmt: skip
+        state = comm.full_state_dict(model)
+        out[name] = {"state": state, "metrics": m}
+    torch.save(out, f"{out_dir}/lockstep-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def ranks_cfg(run_dir: Path, model_dir: Path | str, ranks: int, *extra: str):
+    """A ``runner: ray`` FSDP2 config of the tiny model at ``model_dir`` on ``ranks`` trainer
+    ranks (tests/unit/test_resume_ranks.py); only the rank count differs between its runs."""
+    from gyre.config import load_config
+
+    return load_config(None, [
+        f"model.path={model_dir}", f"run.dir={run_dir}", "runner=ray", "ray.strategy=fsdp2",
+        f"ray.trainer_ranks={ranks}", "train.tasks_per_step=4", "train.group_size=2",
+        "train.mini_batches=1", "train.lr=0.01", "log.console=off", *extra,
+    ])  # fmt: skip
+
+
+def resume_ranks_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> None:
+    """One FSDP2 gloo rank of tests/unit/test_resume_ranks.py: resume the one-process
+    checkpoint ``one/.../step_000001`` on two ranks and dump the gathered loaded state; then
+    update on this rank's half of ``dp_batch``, dump the gathered state the ranks hold, and
+    write a two-rank checkpoint (step 2) under ``two/``."""
+    from gyre.checkpoint.resume import Checkpointer
+    from gyre.models.build import load_pretrained
+    from gyre.trainer.core import Trainer
+    from gyre.trainer.fsdp_checkpoint import _indexed, gather
+
+    torch.set_num_threads(1)
+    out, cpu = Path(out_dir), torch.device("cpu")
+    ckpt1 = out / "one" / "checkpoints" / "step_000001"
+    cfg = ranks_cfg(out / "two", model_dir, 2, f"run.resume={ckpt1}")
+    if rank == 0:  # the driver's plan, with its config check: 1 rank then, 2 now
+        assert Checkpointer(cfg, out / "two").plan().ckpt is not None
+    trainer = Trainer.build(cfg, out / "two", ckpt1 / "model", None, cpu,
+                            world=(rank, world, f"tcp://127.0.0.1:{port}"))  # fmt: skip
+    trainer.restore(ckpt1)
+    dumps = {}
+    model, optim = gather(trainer.model, trainer.optimizer)
+    dumps["loaded"] = (model, _indexed(optim) if rank == 0 else {})
+    trajs, _ = dp_batch(load_pretrained(model_dir, cpu)[0])
+    trainer.update(2, trajs[:4] if rank == 0 else trajs[4:])  # whole groups: 0-1 and 2-3
+    model, optim = gather(trainer.model, trainer.optimizer)
+    dumps["held"] = (model, _indexed(optim) if rank == 0 else {})
+    trainer.save(Checkpointer(cfg, out / "two"), 2, {}, out / "two" / "metrics.jsonl")
+    if rank == 0:
+        torch.save(dumps, out / "two-ranks.pt")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()

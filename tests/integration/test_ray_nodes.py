@@ -310,17 +310,18 @@ def test_fsdp2_on_two_nodes_checkpoints_the_whole_model_and_resumes(nodes, warm_
     """``ray.strategy=fsdp2``, two CPU ranks (gloo) on the two trainer nodes. Each checkpoint
     holds the whole model (every tensor at full shape, equal to the gathered final weights for
     the last one). The driver killed with SIGKILL after a checkpoint and resumed: final weights
-    bitwise equal to the run that was never killed. The same checkpoint resumed with one rank is
-    refused in one line naming both counts."""
+    bitwise equal to the run that was never killed. The same checkpoint resumed with one rank
+    runs to the end, within 1e-5 of two ranks (another all-reduce order). The maze's turns give
+    the two ranks different numbers of rows, hence of micro-batches: the update pads them to the
+    same count (gyre.trainer.lockstep), where they would otherwise deadlock."""
     import shutil
 
     from safetensors.torch import load_file
 
     steps = 4
-    # One micro-batch per rank: the maze's turns make the ranks' row counts differ, and FSDP2
-    # ranks with unequal micro-batch counts deadlock (docs/cluster.md)
+    # small micro-batches: the ranks' unequal row counts give them unequal micro-batch counts
     fsdp = ["ray.strategy=fsdp2", "ray.trainer_ranks=2", "checkpoint.every=1", "checkpoint.keep=10",
-            "train.mini_batches=1", "train.micro_batch_size=1024",
+            "train.mini_batches=1", "train.micro_batch_size=4",
             f"ray.address={nodes.cluster.address}"]  # fmt: skip
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     _finish(_train(_overrides(whole, warm_model, steps, *fsdp)))
@@ -347,13 +348,20 @@ def test_fsdp2_on_two_nodes_checkpoints_the_whole_model_and_resumes(nodes, warm_
     assert sorted(_trained_ids(killed)) == sorted(_expected_ids(steps))
 
     one = [x.replace("ray.trainer_ranks=2", "ray.trainer_ranks=1") for x in fsdp]
-    p = _train(_overrides(fewer, warm_model, steps, *one, "run.resume=auto"))
-    out = p.communicate(timeout=900)[0]
-    assert p.returncode != 0  # the checkpoint's config check refuses another rank count
-    assert "ray.trainer_ranks: checkpoint=2, now=1" in out, out[-3000:]
+    _finish(_train(_overrides(fewer, warm_model, steps, *one, "run.resume=auto")))
+    alone = load_file(str(fewer / "final" / "model.safetensors"))
+    for k in final:
+        torch_close(alone[k], final[k])
+    assert sorted(_trained_ids(fewer)) == sorted(_expected_ids(steps))
 
 
 def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def torch_close(a, b) -> None:
+    import torch
+
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

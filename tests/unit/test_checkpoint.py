@@ -306,6 +306,35 @@ def test_config_mismatch_lists_fields(tmp_path):
     assert "run.seed" not in msg and "train.steps" not in msg
 
 
+def test_resume_on_another_placement_is_accepted(tmp_path):
+    """Where the roles run and on how many ranks is not the run's identity (a cluster that lost
+    a node resumes on the rest); what they compute is: another ray.mode is refused."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    base = ["runner=ray", "train.tasks_per_step=8"]
+    saved = load_config(None, [*base, "ray.trainer_ranks=2"]).model_dump(mode="json")
+    (ckpt / "config.json").write_text(json.dumps(saved))
+    moved = [
+        "ray.trainer_ranks=1",
+        "ray.strategy=fsdp2",
+        "ray.placement=colocated",
+        "ray.placement_strategy=SPREAD",
+        "ray.num_cpus=5",
+        "ray.trainer.num_cpus=0.5",
+        "ray.rollout.resources={gyre_rollout: 1}",
+        "ray.handover.offload_optimizer=true",
+        "ray.max_trainer_restarts=5",
+        "ray.health_check_period_s=1",
+        "ray.replacement_wait_s=30",
+    ]
+    now = load_config(None, [*base, *moved]).model_dump(mode="json")
+    check_config(ckpt, now)
+    assert config_hash(now) == config_hash(saved)
+    other = load_config(None, [*base, "ray.trainer_ranks=2", "ray.mode=one-step-off"])
+    with pytest.raises(CheckpointMismatchError, match=r"ray\.mode: checkpoint='sync'"):
+        check_config(ckpt, other.model_dump(mode="json"))
+
+
 @pytest.mark.parametrize(
     ("schedule", "warns"), [("linear", True), ("cosine", True), ("constant", False)]
 )

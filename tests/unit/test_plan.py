@@ -24,7 +24,8 @@ def test_hand_computed_step_times():
     assert (d.gen_s, d.train_s, d.step_s) == (4.0, 6.0, 12.5)
     assert d.idle_frac == pytest.approx(1 - (3 * 4 + 1 * 6) / (4 * 12.5))
     o = predict(TP, WL, "one-step-off", 4, 3)
-    assert o.step_s == 8.5 and o.util_trainer == pytest.approx(6 / 8.5)  # max(4, 6 + 2) + 0.5
+    # the driver's own 0.5 s lies on the trainer's path: max(4, 6 + 2 + 0.5)
+    assert o.step_s == 8.5 and o.util_trainer == pytest.approx(6 / 8.5)
     assert predict(TP, WL, "async", 4, 3).step_s == o.step_s
 
 
@@ -32,8 +33,8 @@ def test_best_split_and_refusals():
     preds = plan(TP, WL, 4)
     assert [p.step_s for p in preds] == sorted(p.step_s for p in preds)
     best = {p.mode: p for p in preds}
-    # one-step-off: r=1: max(12, 2+2)=12; r=2: max(6, 3+2)=6; r=3: max(4, 6+2)=8 -> r=2
-    assert best["one-step-off"].rollout_nodes == 2 and best["one-step-off"].step_s == 6.5
+    # one-step-off: r=1: max(12, 2+2+.5)=12; r=2: max(6, 3+2+.5)=6; r=3: max(4, 6+2+.5) -> r=2
+    assert best["one-step-off"].rollout_nodes == 2 and best["one-step-off"].step_s == 6.0
     assert preds[0].mode == "one-step-off"
     with pytest.raises(ValueError, match="needs 1 <= rollout nodes < 4"):
         predict(TP, WL, "one-step-off", 4, 4)
@@ -41,24 +42,47 @@ def test_best_split_and_refusals():
         predict(TP, WL, "pipelined", 4, 2)
 
 
-def test_measure_reads_a_runs_metrics_and_the_cli_prints_the_best(tmp_path, capsys):
+def _run_rows(step_s: float, **calls: float) -> list[dict]:
     rows = [{"step": 1, "train/loss": 0.0}]  # the first step is left out (start-up)
     for step in (2, 3, 4):
         rows.append({
-            "step": step, "train/loss": 0.1, "perf/samples_per_s": 16.0, "time/step_s": 2.0,
-            "rollout/response_tokens_mean": 10.0, "time/gen_actor_s": 0.8, "train/tokens": 600.0,
-            "time/trainer_update_s": 1.0, "sync/bytes": 1e8, "time/sync_gather_s": 0.05,
-            "time/sync_load_s": 0.05,
+            "step": step, "train/loss": 0.1, "perf/samples_per_s": 32.0 / step_s,
+            "time/step_s": step_s, "rollout/response_tokens_mean": 10.0,
+            "time/gen_actor_s": 0.8, "train/tokens": 600.0, "time/trainer_update_s": 1.0,
+            "sync/bytes": 1e8, "time/sync_gather_s": 0.05, "time/sync_load_s": 0.05, **calls,
         })  # fmt: skip
+    return rows
+
+
+def test_measure_reads_a_runs_metrics_and_the_cli_prints_the_best(tmp_path, capsys):
+    rows = _run_rows(2.0)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tp, wl = measure(tmp_path)
-    assert wl.rollout_tokens == 320.0 and tp.rollout_tokens_per_s == 400.0  # 32 samples x 10
+    # 32 samples x 10 tokens in 0.75 s: the rollout calls' 0.8 s less the 0.05 s weight load,
+    # which is counted once, as sync (gather 0.05 + load 0.05 for 0.1 GB)
+    assert wl.rollout_tokens == 320.0 and tp.rollout_tokens_per_s == pytest.approx(320 / 0.75)
     assert tp.trainer_tokens_per_s == 600.0 and tp.sync_s_per_gb == pytest.approx(1.0)
-    assert tp.overhead_s == pytest.approx(2.0 - 0.8 - 1.0 - 0.1)
+    assert tp.overhead_s == pytest.approx(2.0 - 0.75 - 1.0 - 0.1)  # no call timings: all is o
+    assert tp.rollout_call_s == tp.train_call_s == 0.0
     # the run itself (1 + 1, sync) is predicted as measured
     assert predict(tp, wl, "disaggregated", 2, 1).step_s == pytest.approx(2.0)
     assert main(["plan", str(tmp_path), "--nodes", "2"]) == 0
-    # colocated on both nodes: gen 320/(400*2) = 0.4, train 600/(600*2) = 0.5, sync 0.1, o 0.1
-    assert "best over 2 nodes: colocated, all nodes both roles: 1.100 s" in capsys.readouterr().out
+    # colocated on both nodes: gen 0.75/2, train 1.0/2, sync 0.1, o 0.15
+    assert "best over 2 nodes: colocated, all nodes both roles: 1.125 s" in capsys.readouterr().out
     assert main(["plan", "--nodes", "2"]) == 1
     assert "--rollout-tokens-per-s must be > 0" in capsys.readouterr().err
+
+
+def test_the_call_overheads_sit_on_their_own_paths(tmp_path):
+    """With the loop's call timings, the overhead splits into the rollout call's (on the
+    generation path), the update call's and the driver's own (on the trainer's path), so an
+    overlapped mode is not charged the whole overhead on top of the slower role."""
+    rows = _run_rows(2.3, **{"time/rollout_s": 0.9, "time/train_s": 1.2})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tp, wl = measure(tmp_path)
+    assert tp.rollout_call_s == pytest.approx(0.1)  # 0.9 waited - 0.8 inside the calls
+    assert tp.train_call_s == pytest.approx(0.15)  # 1.2 - 1.0 update - 0.05 gather
+    assert tp.overhead_s == pytest.approx(2.3 - 0.9 - 1.2)
+    assert predict(tp, wl, "disaggregated", 2, 1).step_s == pytest.approx(2.3)
+    # one-step-off 1 + 1: max(0.75 + 0.1, 1.0 + 0.15 + 0.1 + 0.2) = 1.45
+    assert predict(tp, wl, "one-step-off", 2, 1).step_s == pytest.approx(1.45)

@@ -147,7 +147,7 @@ def test_waiting_with_no_share_in_flight_is_an_error_not_a_hang():
     pytest.importorskip("ray")
     from types import SimpleNamespace
 
-    from gyre.runners.ray import RayPlacement
+    from gyre.runners.rollout_pool import RolloutPool
 
     s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=0, max_staleness=1)
     assert _start_all(s) == [0]
@@ -155,7 +155,7 @@ def test_waiting_with_no_share_in_flight_is_an_error_not_a_hang():
     batch, dropped = s.take_batch(version=2)  # both groups 2 versions old: dropped
     assert batch == [] and len(dropped) == 2
     with pytest.raises(RuntimeError, match="no rollout share is in flight") as info:
-        RayPlacement._collect(SimpleNamespace(pending={}, sched=s))
+        RolloutPool.collect(SimpleNamespace(pending={}, sched=s))
     assert "dropped 2" in str(info.value) and "next share 1" in str(info.value)
 
 

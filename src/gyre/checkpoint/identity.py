@@ -35,6 +35,25 @@ RESUME_MAY_CHANGE = (
     "engine.verify_tokens",
     "ray.address",  # where the cluster is and where Ray keeps its session: not the run
     "ray.temp_dir",
+    # Placement: where the roles run and on how many trainer ranks, not what they compute. A
+    # checkpoint holds the whole model and optimizer state whatever the ranks (FSDP2 gathers
+    # them), so another rank count, strategy, or cluster shape resumes it. Rank counts change
+    # only the float order of the gradient sum, and with several optimizer steps per batch
+    # which rows share a step (each rank cuts its own shard into mini-batches).
+    "ray.trainer_ranks",
+    "ray.strategy",
+    "ray.num_cpus",
+    "ray.namespace",
+    "ray.placement",
+    "ray.placement_strategy",
+    "ray.rollout.",
+    "ray.trainer.",
+    "ray.handover.",
+    "ray.max_rollout_restarts",  # recovery budgets and node-health deadlines
+    "ray.max_trainer_restarts",
+    "ray.health_check_period_s",
+    "ray.health_check_failures",
+    "ray.replacement_wait_s",
     "train.steps",
     "eval.",
     "checkpoint.",

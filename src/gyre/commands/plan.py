@@ -6,14 +6,20 @@ each, or one node = one unit of whatever a role reserves), every placement gyre 
     inputs   g  rollout tokens/s of one engine         R  tokens generated per step
              t  trainer tokens/s of one rank            T  tokens trained per step
              s  sync seconds per GB of weights          W  GB of weights synced per step
-             o  fixed driver seconds per step           h  colocated hand-over seconds per step
+             c_r  seconds a rollout call costs beyond the engines' work (Ray, transfer)
+             c_t  seconds the update call costs beyond the ranks' work (Ray, transfer)
+             o  the driver's own seconds per step       h  colocated hand-over seconds per step
     times    gen = R / (g r)      train = T / (t m)     sync = s W
              (r rollout nodes, m trainer nodes; data parallel over m ranks is taken as linear)
 
-    colocated       r = m = N      step = gen + train + sync + h + o
-    disaggregated   r + m = N      step = gen + train + sync + o              (mode sync)
-    one-step-off    r + m = N      step = max(gen, train + sync) + o
-    async           r + m = N      step = max(gen, train + sync) + o          (steady state)
+    colocated       r = m = N      step = gen + c_r + train + c_t + sync + h + o
+    disaggregated   r + m = N      step = gen + c_r + train + c_t + sync + o        (mode sync)
+    one-step-off    r + m = N      step = max(gen + c_r, train + c_t + sync + o)
+    async           r + m = N      step = max(gen + c_r, train + c_t + sync + o)  (steady state)
+
+In the overlapped modes the driver's own work (taking the batch, logging, checkpoint cadence)
+lies on the trainer's path: the next update call waits for it, while the workers already
+generate the shares handed out ahead. The rollout call's overhead lies on the generation path.
 
     utilisation     rollout = gen / step, trainer = train / step (colocated: (gen + train) / step
                     on every node); idle fraction = 1 - (r gen + m train) / (N step)
@@ -43,8 +49,10 @@ class Throughputs:
     rollout_tokens_per_s: float  # one engine (g)
     trainer_tokens_per_s: float  # one rank (t)
     sync_s_per_gb: float  # (s)
-    overhead_s: float = 0.0  # driver glue per step (o)
+    overhead_s: float = 0.0  # the driver's own seconds per step (o)
     handover_s: float = 0.0  # colocated: engine sleep + wake and trainer offload per step (h)
+    rollout_call_s: float = 0.0  # a step's rollout calls beyond the engines' work (c_r)
+    train_call_s: float = 0.0  # the update call beyond the ranks' work (c_t)
 
 
 @dataclass
@@ -83,14 +91,16 @@ def predict(
     gen = wl.rollout_tokens / (tp.rollout_tokens_per_s * r)
     train = wl.train_tokens / (tp.trainer_tokens_per_s * m)
     sync = tp.sync_s_per_gb * wl.weights_gb
+    gen_path = gen + tp.rollout_call_s
+    train_path = train + tp.train_call_s + sync + tp.overhead_s
     if mode == "colocated":
-        step = gen + train + sync + tp.handover_s + tp.overhead_s
+        step = gen_path + train_path + tp.handover_s
         busy = (gen + train) / step
         return Prediction(mode, r, m, gen, train, sync, step, busy, busy, 1 - busy)
     if mode == "disaggregated":
-        step = gen + train + sync + tp.overhead_s
+        step = gen_path + train_path
     else:
-        step = max(gen, train + sync) + tp.overhead_s
+        step = max(gen_path, train_path)
     idle = 1 - (r * gen + m * train) / (nodes * step)
     return Prediction(mode, r, m, gen, train, sync, step, gen / step, train / step, idle)
 
@@ -105,9 +115,11 @@ def plan(tp: Throughputs, wl: Workload, nodes: int) -> list[Prediction]:
     return sorted(out, key=lambda p: p.step_s)
 
 
-def _median(rows: list[dict], key: str) -> float:
+def _median(rows: list[dict], key: str, default: float | None = None) -> float:
     values = [float(r[key]) for r in rows if r.get(key) is not None]
     if not values:
+        if default is not None:
+            return default
         raise ValueError(f"metrics.jsonl has no '{key}' after step 1 (a Ray run logs it)")
     return statistics.median(values)
 
@@ -124,15 +136,22 @@ def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
         raise ValueError(f"{path}: no step after the first to measure")
     samples = _median(rows, "perf/samples_per_s") * _median(rows, "time/step_s")
     rollout_tokens = samples * _median(rows, "rollout/response_tokens_mean")
-    gen = _median(rows, "time/gen_actor_s")
+    gen_call = _median(rows, "time/gen_actor_s")  # inside the rollout calls, the load included
+    gather, load = _median(rows, "time/sync_gather_s"), _median(rows, "time/sync_load_s")
+    gen = max(gen_call - load, 1e-9)  # the weight load is counted once, as sync
     train_tokens = _median(rows, "train/tokens")
     train = _median(rows, "time/trainer_update_s")
     gb = _median(rows, "sync/bytes") / 1e9
-    sync = _median(rows, "time/sync_gather_s") + _median(rows, "time/sync_load_s")
     step = _median(rows, "time/step_s")
-    # what the step spends beyond the actors' work: Ray calls, data transfer, the driver's loop
-    overhead = max(0.0, step - gen - train - sync)
-    tp = Throughputs(rollout_tokens / gen, train_tokens / train, sync / gb if gb else 0.0, overhead)
+    # what the step spends beyond the actors' work: the rollout and update calls (Ray, data
+    # transfer) and the driver's own loop; without the loop's call timings, all of it is o
+    rollout_wait = _median(rows, "time/rollout_s", -1.0)
+    update_call = _median(rows, "time/train_s", -1.0)
+    c_r = max(0.0, rollout_wait - gen_call) if rollout_wait >= 0 else 0.0
+    c_t = max(0.0, update_call - train - gather) if update_call >= 0 else 0.0
+    own = max(0.0, step - gen - load - train - gather - c_r - c_t)
+    sync_per_gb = (gather + load) / gb if gb else 0.0
+    tp = Throughputs(rollout_tokens / gen, train_tokens / train, sync_per_gb, own, 0.0, c_r, c_t)
     return tp, Workload(rollout_tokens, train_tokens, gb)
 
 

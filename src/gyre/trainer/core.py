@@ -140,9 +140,17 @@ class Trainer:
         groups = torch.tensor([t.group_id for t in trajs])
         batch = collate(trajs, self.tokenizer.pad_token_id, device, vision_of(self.tokenizer))
         shaped = apply_overlong(rewards, trajs, batch, cfg.train.dapo, cfg.train.sampling, m)
+        comm = self.comm
+        lockstep = comm.lockstep() if comm is not None else None
         m.update(
             prepare_batch(
-                self.model, batch, train, self.ref_model, self.value_model, scoring=scoring
+                self.model,
+                batch,
+                train,
+                self.ref_model,
+                self.value_model,
+                scoring=scoring,
+                lockstep=lockstep,
             )
         )
         adv, adv_m = batch_advantages(algo.advantage, shaped, groups, batch, train, episodes, turns)
@@ -152,7 +160,6 @@ class Trainer:
             m["train/self_loop_turn_frac"] = sum(loops) / max(len(loops), 1)
         gen = torch.Generator()
         gen.manual_seed(cfg.run.seed * 100_003 + step)
-        comm = self.comm
         upd = policy_update(
             self.model,
             self.optimizer,
@@ -165,6 +172,7 @@ class Trainer:
             reduce_counts=comm.reduce_counts if comm is not None else None,
             sync_grads=self._sync_grads if comm is not None else None,
             scoring=scoring,
+            lockstep=lockstep,
         )
         m.update(upd)
         check_parameters_finite(self.model, "GRPO", step)  # exit 3, nothing synced or saved

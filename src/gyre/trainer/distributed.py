@@ -14,7 +14,9 @@ rank (:meth:`TorchCollective.broadcast_parameters`, as DDP does at construction)
 ``strategy: fsdp2`` shards parameters with ``torch.distributed.fsdp.fully_shard``; FSDP2
 reduce-scatters gradients *averaged* over ranks inside backward, so :class:`FSDPCollective`
 rescales the loss weights by the world size instead of summing afterwards. Every rank must then
-run the same number of backward passes (each one is a collective); equal shards give that. The
+run the same number of forward and backward passes (each one is a collective), though a rank's
+share of whole groups can hold more rows than another's: :mod:`gyre.trainer.lockstep` pads the
+ranks to the same counts with zero-weight micro-batches. The
 path is the GPU default (nccl) and also runs on CPU over gloo (torch 2.13):
 ``tests/unit/test_fsdp2_cpu.py`` checks two CPU ranks against one process. It has not run on a
 GPU in this repository's tests (no GPU was lent), see docs/cluster.md.
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.algos.aggregate import StepCounts
+from gyre.trainer.lockstep import Lockstep
 
 
 class TorchCollective:
@@ -38,6 +41,7 @@ class TorchCollective:
             raise RuntimeError("torch.distributed is not initialised; call init_process_group")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        self.device = torch.device("cpu")  # where the collectives' tensors live
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         out = value.detach().clone().float()
@@ -51,6 +55,17 @@ class TorchCollective:
         longest = torch.tensor([counts.norm_len], dtype=torch.float32)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         return StepCounts(float(sums[0]), float(sums[1]), float(longest[0]))
+
+    def most(self, n: int) -> int:
+        """The largest ``n`` over ranks (every rank calls it with its own)."""
+        out = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out.item())
+
+    def lockstep(self) -> Lockstep:
+        """``policy_update(lockstep=...)``: the same optimizer steps on every rank (the counts
+        and the gradient sum are collectives once per step)."""
+        return Lockstep(self.most, forwards=False)
 
     def sync_gradients(self, model: torch.nn.Module) -> None:
         _all_reduce_grads(model, 1.0)
@@ -79,8 +94,8 @@ class FSDPCollective(TorchCollective):
     def __init__(self) -> None:
         super().__init__()
         nccl = dist.get_backend() == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
-        self.device = self.device or torch.device("cpu")
+        if nccl:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         # rank 0: a plain CPU copy of the model that whole-model checkpoints are written from
         # (gyre.trainer.fsdp_checkpoint); None on the other ranks
         self.mirror: torch.nn.Module | None = None
@@ -96,6 +111,10 @@ class FSDPCollective(TorchCollective):
         longest = torch.tensor([counts.norm_len], dtype=torch.float32, device=self.device)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         return StepCounts(float(sums[0]), float(sums[1]), float(longest[0]))
+
+    def lockstep(self) -> Lockstep:
+        """Every forward and backward is a collective too: micro-batches are padded as well."""
+        return Lockstep(self.most, forwards=True)
 
     def sync_gradients(self, model: torch.nn.Module) -> None:
         return  # done inside backward by FSDP2's reduce-scatter

@@ -35,9 +35,8 @@ still steps AdamW with a zero gradient, as it would without skipping (its moment
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypedDict, Unpack
 
 import torch
@@ -51,8 +50,10 @@ from gyre.algos.aggregate import check_mode
 from gyre.config import TrainConfig
 from gyre.trainer.batch import TokenBatch, consecutive_slices, micro_batches, token_logprobs
 from gyre.trainer.critic import ValueModel, policy_forward
+from gyre.trainer.lockstep import Lockstep, padding_row, padding_rows
 from gyre.trainer.loss import TokenTerms, micro_batch_loss
 from gyre.trainer.scoring import ScoringOptions
+from gyre.trainer.tally import Tally, finite_step
 
 OLD_LOGPROBS = ("auto", "recompute", "current", "rollout")
 
@@ -73,10 +74,20 @@ def updates_per_batch(train: TrainConfig, batch_rows: int) -> int:
 
 def resolve_old_logprobs(train: TrainConfig, batch_rows: int) -> str:
     """``auto`` -> ``current`` when one optimizer step per batch, else ``recompute``."""
+    return _old_mode(train, updates_per_batch(train, batch_rows))
+
+
+def _steps_per_epoch(n: int, train: TrainConfig, lockstep: Lockstep | None) -> int:
+    """Optimizer steps per epoch over ``n`` rows; data-parallel: the most of any rank's."""
+    steps = len(_mini_slices(n, train))
+    return lockstep.most(steps) if lockstep is not None else steps
+
+
+def _old_mode(train: TrainConfig, n: int) -> str:
+    """The old-logprob mode of a batch that gets ``n`` optimizer steps."""
     mode = train.algo.old_logprobs
     if mode not in OLD_LOGPROBS:
         raise ValueError(f"unknown old_logprobs {mode!r}; valid: {', '.join(OLD_LOGPROBS)}")
-    n = updates_per_batch(train, batch_rows)
     if mode == "auto":
         return "current" if n == 1 else "recompute"
     if mode == "current" and n != 1:
@@ -106,6 +117,25 @@ def _nonzero_rows(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Te
 
 
 # -- 1. before the weights change ----------------------------------------------------------------
+class PrepareOptions(TypedDict, total=False):
+    """:func:`prepare_batch`'s keyword options."""
+
+    rows: torch.Tensor | None  # (B,) bool: recompute the old log-probs of these rows only
+    scoring: ScoringOptions | None  # the trainer's scoring paths (perf.*)
+    lockstep: Lockstep | None  # data-parallel: ranks keep their collectives in step
+
+
+@dataclass(frozen=True)
+class _Score:
+    """What one no-grad scoring pass computes, and how."""
+
+    need_old: bool
+    ref_model: torch.nn.Module | None = None
+    value_model: ValueModel | None = None
+    scoring: ScoringOptions | None = None
+    lockstep: Lockstep | None = None
+
+
 @torch.no_grad()
 def prepare_batch(
     model: torch.nn.Module,
@@ -113,12 +143,13 @@ def prepare_batch(
     train: TrainConfig,
     ref_model: torch.nn.Module | None = None,
     value_model: ValueModel | None = None,
-    rows: torch.Tensor | None = None,
-    scoring: ScoringOptions | None = None,
+    **options: Unpack[PrepareOptions],
 ) -> dict[str, float]:
     """Fill ``batch.extras`` with what must be scored before the weights change.
 
     ``scoring``: the trainer's scoring paths (the run's ``perf.*``; default: the defaults).
+    ``lockstep``: data-parallel ranks resolve the old-logprob mode from the most optimizer
+    steps of any rank and, under FSDP2, run as many scoring forwards (:mod:`gyre.trainer.lockstep`).
 
     ``old_logprobs`` when the resolved mode is ``recompute`` or KL goes into the reward (the
     reward's KL is the old policy's); ``ref_logprobs`` for KL in the reward; ``values`` for GAE.
@@ -128,7 +159,9 @@ def prepare_batch(
     advantages are not known yet, so :func:`policy_update` computes them later (same weights)
     for the rows it trains, passing ``rows`` (a (B,) bool mask); other rows keep the engine's.
     """
-    mode = resolve_old_logprobs(train, batch.input_ids.shape[0])
+    rows, scoring, lockstep = options.get("rows"), options.get("scoring"), options.get("lockstep")
+    steps = train.algo.ppo_epochs * _steps_per_epoch(batch.input_ids.shape[0], train, lockstep)
+    mode = _old_mode(train, steps)
     need_ref = ref_model is not None and train.kl_coef > 0 and train.algo.kl_in == "reward"
     need_old = mode == "recompute" or (need_ref and mode == "current")
     if not need_old and not need_ref and value_model is None:
@@ -140,20 +173,16 @@ def prepare_batch(
     if train.algo.skip_zero_advantage and not need_ref and value_model is None:
         return {}  # deferred to policy_update, which knows which rows train
     ref = ref_model if need_ref else None
-    _score_batch(model, batch, train, need_old, ref, value_model, scoring)
+    _score_batch(model, batch, train, _Score(need_old, ref, value_model, scoring, lockstep))
     return _rollout_gap(batch)
 
 
 def _score_batch(
-    model: torch.nn.Module,
-    batch: TokenBatch,
-    train: TrainConfig,
-    need_old: bool,
-    ref_model: torch.nn.Module | None,
-    value_model: ValueModel | None,
-    scoring: ScoringOptions | None = None,
+    model: torch.nn.Module, batch: TokenBatch, train: TrainConfig, what: _Score
 ) -> None:
-    """No-grad micro-batched forwards: old log-probs, reference log-probs, values -> extras."""
+    """No-grad micro-batched forwards: old log-probs, reference log-probs, values -> extras.
+    Under a lockstep with ``forwards``, forwards of one row follow, up to the most micro-batches
+    of any rank (their results are dropped)."""
     was_training = model.training
     model.eval()
     temperature, top_p = train.sampling.temperature, train.sampling.top_p
@@ -164,21 +193,32 @@ def _score_batch(
             out[key] = batch.loss_mask.new_zeros(batch.loss_mask.shape)
         out[key][sel, : value.shape[1]] = value
 
-    for sel in micro_batches(batch, train.micro_batch_size):
-        mb = batch.rows(sel)
-        if need_old or value_model is not None:
+    def score(mb: TokenBatch) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        if what.need_old or what.value_model is not None:
             logp, _, values = policy_forward(
-                model, mb, temperature, top_p, value_model=value_model, options=scoring
+                model, mb, temperature, top_p, value_model=what.value_model, options=what.scoring
             )
-            if need_old:
-                put("old_logprobs", sel, logp)
+            if what.need_old:
+                got["old_logprobs"] = logp
             if values is not None:
-                put("values", sel, values * mb.loss_mask)
-        if ref_model is not None:
+                got["values"] = values * mb.loss_mask
+        if what.ref_model is not None:
+            opts = what.scoring
             ref, _ = token_logprobs(
-                ref_model, mb, temperature, top_p, options=scoring, score_mask=mb.loss_mask
+                what.ref_model, mb, temperature, top_p, options=opts, score_mask=mb.loss_mask
             )
-            put("ref_logprobs", sel, ref)
+            got["ref_logprobs"] = ref
+        return got
+
+    micro = micro_batches(batch, train.micro_batch_size)
+    # agreed before any forward: under FSDP2 each forward is itself a collective
+    pads = what.lockstep.extra_forwards(len(micro)) if what.lockstep else 0
+    for sel in micro:
+        for key, value in score(batch.rows(sel)).items():
+            put(key, sel, value)
+    for _ in range(pads):
+        score(batch.rows(padding_rows(batch)))
     model.train(was_training)
     for key, value in out.items():
         batch.extras[key] = value * batch.loss_mask
@@ -208,7 +248,7 @@ def _old_logprobs_of_rows(
     out: dict[str, float] = {}
     if len(idx):
         sub = batch.rows(idx)
-        _score_batch(model, sub, train, True, None, None, scoring)
+        _score_batch(model, sub, train, _Score(True, scoring=scoring))
         out = _rollout_gap(sub)
         width = sub.extras["old_logprobs"].shape[1]
         old[idx, :width] = sub.extras["old_logprobs"]
@@ -217,19 +257,6 @@ def _old_logprobs_of_rows(
 
 
 # -- 3. the update -------------------------------------------------------------------------------
-def finite_step(optimizer: torch.optim.Optimizer, grad_norm: float, loss: float) -> bool:
-    """Step only when the loss and the gradient norm are finite; else drop the gradient.
-
-    A NaN/inf would poison the weights and AdamW's moments for good; skipping the update keeps
-    the run alive (the loop counts skips and aborts after ``faults.max_nonfinite_streak``).
-    """
-    if math.isfinite(grad_norm) and math.isfinite(loss):
-        optimizer.step()
-        return True
-    optimizer.zero_grad(set_to_none=True)
-    return False
-
-
 @dataclass
 class _Run:
     """What one :func:`policy_update` call keeps fixed over its optimizer steps."""
@@ -244,44 +271,7 @@ class _Run:
     reduce_counts: Callable[[StepCounts], StepCounts] | None
     sync_grads: Callable[[torch.nn.Module], None] | None
     scoring: ScoringOptions | None = None  # the trainer's scoring paths (perf.*)
-
-
-@dataclass
-class _Tally:
-    """Running sums of one :func:`policy_update` (token sums become means at the end)."""
-
-    sums: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("kl", "clipfrac", "entropy", "logprob_gap"), 0.0)
-    )
-    grad_norms: list[float] = field(default_factory=list)
-    total_tokens: int = 0
-    scored_tokens: int = 0  # tokens of the rows actually run (all unless rows are skipped)
-    skipped_rows: int = 0
-    objective: float = 0.0  # the aggregated loss minimised, summed over optimizer steps
-    nonfinite: int = 0  # optimizer steps dropped for a non-finite loss or gradient
-
-    def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        for key, value in metrics.items():
-            self.sums[key] = self.sums.get(key, 0.0) + float(value)
-
-    def metrics(self, steps: int, skipping: bool) -> dict[str, float]:
-        # token means over the rows run; when every row was skipped nothing was measured, so
-        # the means are left out (a 0.0 entropy or KL would be a false reading)
-        out = (
-            {f"train/{k}": v / self.scored_tokens for k, v in self.sums.items()}
-            if self.scored_tokens
-            else {}
-        )
-        if skipping:
-            out["train/skipped_rows"] = float(self.skipped_rows)
-            out["train/scored_tokens"] = float(self.scored_tokens)
-        out["train/loss"] = self.objective / steps
-        gn = self.grad_norms
-        out["train/grad_norm"] = sum(gn) / len(gn) if gn else float("nan")
-        out["train/nonfinite_skipped"] = float(self.nonfinite)
-        out["train/tokens"] = float(self.total_tokens)
-        out["train/optimizer_steps"] = float(steps)
-        return out
+    lockstep: Lockstep | None = None  # data-parallel: pad to the ranks' most steps / forwards
 
 
 class UpdateOptions(TypedDict, total=False):
@@ -293,6 +283,7 @@ class UpdateOptions(TypedDict, total=False):
     reduce_counts: Callable[[StepCounts], StepCounts] | None  # data-parallel: the global counts
     sync_grads: Callable[[torch.nn.Module], None] | None  # data-parallel: sum the gradients
     scoring: ScoringOptions | None  # how log-probs are computed (perf.*)
+    lockstep: Lockstep | None  # data-parallel: every rank runs the same steps (and FSDP2 forwards)
 
 
 def policy_update(
@@ -313,12 +304,15 @@ def policy_update(
     counts into the global ones before the micro-batch loop: a data-parallel runner passes an
     all-reduce (sum) over ranks, so every rank divides by the same global denominators, and
     ``sync_grads`` that sums the gradients over ranks once per optimizer step, before clipping.
+    ``lockstep`` pads this rank to the most optimizer steps (and, under FSDP2, micro-batches) of
+    any rank with zero-weight work, so no collective waits on a rank that has finished.
     """
     ref_model, value_model = options.get("ref_model"), options.get("value_model")
-    scoring = options.get("scoring")
+    scoring, lockstep = options.get("scoring"), options.get("lockstep")
     check_mode(train.loss_agg)
     B = batch.input_ids.shape[0]
-    old_mode = resolve_old_logprobs(train, B)
+    per_epoch = _steps_per_epoch(B, train, lockstep)
+    old_mode = _old_mode(train, train.algo.ppo_epochs * per_epoch)
     kl_loss = kl_in_loss(train, ref_model)
     skip = can_skip_rows(train, kl_loss, value_model)
     trains = _nonzero_rows(advantages, batch.loss_mask) if skip else None
@@ -327,7 +321,7 @@ def policy_update(
             _old_logprobs_of_rows(model, batch, train, trains, scoring)
         else:
             with torch.no_grad():
-                _score_batch(model, batch, train, True, None, None, scoring)
+                _score_batch(model, batch, train, _Score(True, scoring=scoring, lockstep=lockstep))
     if advantages.dim() == 2:
         batch.extras["advantages"] = advantages
     if value_model is not None and "returns" not in batch.extras:
@@ -343,10 +337,11 @@ def policy_update(
         options.get("reduce_counts"),
         options.get("sync_grads"),
         scoring,
+        lockstep,
     )
-    tally = _Tally()
+    tally = Tally()
     model.train()
-    minis = _mini_batch_rows(B, train, options.get("generator"))
+    minis = _mini_batch_rows(B, train, options.get("generator"), per_epoch)
     for mini_idx in minis:
         _optimizer_step(run, tally, batch, mini_idx, advantages)
     model.eval()
@@ -354,33 +349,37 @@ def policy_update(
 
 
 def _mini_batch_rows(
-    n: int, train: TrainConfig, generator: torch.Generator | None
+    n: int, train: TrainConfig, generator: torch.Generator | None, per_epoch: int
 ) -> list[torch.Tensor]:
     """Row indices of every optimizer step: per epoch a fresh permutation (unless the batch is
-    one step of one epoch) cut into mini-batches."""
+    one step of one epoch) cut into mini-batches, then empty steps up to ``per_epoch`` (the
+    most of any data-parallel rank)."""
     slices = _mini_slices(n, train)
     multi = len(slices) > 1 or train.algo.ppo_epochs > 1
+    empty = torch.zeros(0, dtype=torch.long)
     minis: list[torch.Tensor] = []
     for _ in range(train.algo.ppo_epochs):
         perm = torch.randperm(n, generator=generator) if multi else torch.arange(n)
-        minis += [perm[s] for s in slices]
+        minis += [perm[s] for s in slices] + [empty] * (per_epoch - len(slices))
     return minis
 
 
 def _optimizer_step(
-    run: _Run, tally: _Tally, batch: TokenBatch, mini_idx: torch.Tensor, advantages: torch.Tensor
+    run: _Run, tally: Tally, batch: TokenBatch, mini_idx: torch.Tensor, advantages: torch.Tensor
 ) -> None:
     """One optimizer step over the rows ``mini_idx``: micro-batches accumulate the gradient with
     weights from the whole step's counts, then sync, clip and step."""
     objective_before = tally.objective
-    mini = batch.rows(mini_idx)
-    tally.total_tokens += max(mini.num_tokens, 1)
+    padded = len(mini_idx) == 0  # a step this rank has no rows for (data-parallel lockstep)
+    mini = batch.rows(mini_idx) if not padded else batch
+    mask = mini.loss_mask if not padded else batch.loss_mask[:0]
+    tally.total_tokens += max(mini.num_tokens, 1) if not padded else 0
     run.optimizer.zero_grad(set_to_none=True)
     if run.value_model is not None:
         run.value_model.optimizer.zero_grad(set_to_none=True)
     # Denominators of the whole optimizer step, fixed before the micro-batch loop.
     algo = run.train.algo
-    counts = StepCounts.of(mini.loss_mask, algo.loss_norm_len, algo.count_masked_rows)
+    counts = StepCounts.of(mask, algo.loss_norm_len, algo.count_masked_rows)
     if run.reduce_counts is not None:
         counts = run.reduce_counts(counts)
     n_rows = len(mini_idx)
@@ -392,10 +391,15 @@ def _optimizer_step(
             mini = batch.rows(mini_idx)
     tally.scored_tokens += mini.num_tokens if n_rows else 0
     adv_mini = advantages[mini_idx] if advantages.dim() == 1 else None
-    for sel in micro_batches(mini, run.train.micro_batch_size) if n_rows else []:
+    micro = micro_batches(mini, run.train.micro_batch_size) if n_rows else []
+    # agreed before any forward: under FSDP2 each forward is itself a collective
+    pads = run.lockstep.extra_forwards(len(micro)) if run.lockstep is not None else 0
+    for sel in micro:
         mb = mini.rows(sel)
         adv = adv_mini[sel].unsqueeze(-1) if adv_mini is not None else mb.extras["advantages"]
         _micro_step(run, tally, mb, adv, counts)
+    for _ in range(max(pads, int(padded))):  # DDP's empty step: one, so every grad exists
+        _micro_step(run, tally, *padding_row(batch, advantages), counts, pad=True)
     if n_rows == 0:  # every row skipped: the zero gradient AdamW would have seen
         for p in run.model.parameters():
             if p.requires_grad and p.grad is None:
@@ -404,9 +408,16 @@ def _optimizer_step(
 
 
 def _micro_step(
-    run: _Run, tally: _Tally, mb: TokenBatch, adv: torch.Tensor, counts: StepCounts
+    run: _Run,
+    tally: Tally,
+    mb: TokenBatch,
+    adv: torch.Tensor,
+    counts: StepCounts,
+    pad: bool = False,
 ) -> None:
-    """Forward, the sum of the loss terms, weighted aggregation and backward of one micro-batch."""
+    """Forward, the sum of the loss terms, weighted aggregation and backward of one micro-batch.
+    ``pad``: a zero-weight micro-batch (lockstep): its loss is multiplied by 0 before the
+    backward, so it joins the collectives and adds nothing to the gradient or the metrics."""
     train = run.train
     weights = agg_weights(mb.loss_mask, train.loss_agg, counts)  # (b, T)
     logp, ent, values = policy_forward(
@@ -428,6 +439,9 @@ def _micro_step(
     ref_logp = _ref_logprobs(run, mb) if run.ref_model is not None else None
     terms = TokenTerms(logp, old, adv, ent, ref_logp, values)
     loss, metrics = micro_batch_loss(train, mb, weights, counts.tokens, terms)
+    if pad:
+        (loss * 0.0).backward()
+        return
     loss.backward()
     tally.objective += float(loss.detach())
     tally.add(metrics)
@@ -460,7 +474,7 @@ def _drift_metrics(
     return out
 
 
-def _clip_and_step(run: _Run, tally: _Tally, step_loss: float) -> None:
+def _clip_and_step(run: _Run, tally: Tally, step_loss: float) -> None:
     """Sum the gradients over ranks, clip, and step the policy (and the value model) when the
     loss and the gradient norm are finite."""
     if run.sync_grads is not None:
