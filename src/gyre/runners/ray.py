@@ -67,7 +67,7 @@ from gyre.runners.placement import (
     require_ray,
     user_module_path,
 )
-from gyre.runners.scheduler import Group, ShareScheduler
+from gyre.runners.scheduler import BUFFER_FILE, Group, ShareScheduler, read_buffer
 from gyre.telemetry import MetricsSink
 from gyre.telemetry.factory import Telemetry
 from gyre.types import Trajectory
@@ -304,6 +304,7 @@ class RayPlacement:
         self.sched = self._scheduler(
             int(state["cursor"]), int(state.get("dropped", 0)), int(state.get("filtered", 0))
         )
+        self.sched.restore_buffer(read_buffer(checkpoint), f"{checkpoint}/{BUFFER_FILE}")
         self.epoch += 1  # results of shares handed out before this point are ignored
         self._start_trainers(checkpoint / "model" if checkpoint else self.init_path, checkpoint)
         if self.traj_log.exists():  # lines past the checkpoint will be trained again
@@ -555,9 +556,7 @@ class RayPlacement:
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {
-            "cursor": self.sched.finalized,
-            "dropped": self.sched.dropped,
-            "filtered": self.sched.filtered,
+            **self.sched.checkpoint_state(),  # frontier, counters, the groups not yet trained
             "policy_version": self.version,
             "counters": dict(self.counters),
         }
