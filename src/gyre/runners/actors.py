@@ -28,6 +28,7 @@ from gyre.envs.record import trained_on
 from gyre.models.build import load_tokenizer
 from gyre.models.lora import load_policy
 from gyre.rollout.core import Rollout
+from gyre.runners.probe import WorkerProbe, with_probe
 from gyre.runners.scheduler import BUFFER_KEY, Share, write_buffer
 from gyre.trainer.core import Trainer
 from gyre.types import Trajectory
@@ -64,6 +65,7 @@ class RolloutWorker:
         )
         self.cfg = cfg
         self.index = index
+        self.probe = WorkerProbe(cfg.engine.verify_tolerance)  # the sync check (runners/probe.py)
 
     def pid(self) -> int:
         return os.getpid()
@@ -77,8 +79,12 @@ class RolloutWorker:
         t0 = time.perf_counter()
         if isinstance(weights, str):
             self.rollout.follow(weights, version)
-        else:
-            self.rollout.load_weights(weights, version)
+            return time.perf_counter() - t0
+        weights, probe = self.probe.split(weights)
+        self.rollout.load_weights(weights, version)
+        if probe is not None:  # exit 3 when the engine does not serve what it was sent
+            engine = self.rollout.engine
+            self.probe.check(engine.model, f"rollout worker {self.index}", version, probe)
         return time.perf_counter() - t0
 
     def _catch_up(self, weights: list[Any] | None, version: int) -> float:
@@ -252,6 +258,9 @@ class TrainerRank:
             return path, 0
         with self._collective("weight gather"):  # FSDP2: an all-gather
             state = self.trainer.weights()
+        if not hasattr(self.trainer.comm, "mirror"):  # not FSDP2: the probe rides with them
+            model, tok = self.trainer.model, self.trainer.tokenizer
+            state = with_probe(self.cfg, state, model, tok, version)
         return state, sum(t.numel() * t.element_size() for t in state.values())
 
     def save(self, step: int, state: dict[str, Any], keep: int) -> str | None:
