@@ -555,6 +555,8 @@ class RayPlacement:
 
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
+        while self.pending and ray.wait(list(self.pending), timeout=0)[0]:
+            self._collect()  # shares back since the batch filled: saved, not generated again
         return {
             **self.sched.checkpoint_state(),  # frontier, counters, the groups not yet trained
             "policy_version": self.version,
