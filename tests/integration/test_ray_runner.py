@@ -221,6 +221,8 @@ def test_trainer_failure_restarts_from_checkpoint(ray_cluster, warm_model, tmp_p
     assert steps[-1] == 4 and set(steps) == {1, 2, 3, 4}
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GYRE_SLOW") != "1", reason="slow: set GYRE_SLOW=1")
 def test_an_async_resume_trains_the_groups_its_checkpoint_buffered(
     ray_cluster, warm_model, tmp_path
 ):
