@@ -226,6 +226,9 @@ def _error_line(exc: Exception) -> tuple[str, int]:
     from gyre.checkpoint.store import CheckpointError
     from gyre.deadlines import EXIT_PEER, BadAnswer, PeerFault
 
+    cause = getattr(exc, "cause", None)  # raised in a Ray actor: the actor's error, not Ray's
+    if isinstance(cause, Exception) and type(exc).__name__.startswith("RayTaskError"):
+        exc = cause
     if isinstance(exc, ConfigError):
         return f"gyre: config error: {exc}", 2
     if isinstance(exc, InputError):

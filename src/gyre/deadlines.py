@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 log = logging.getLogger("gyre.deadlines")
@@ -40,10 +41,14 @@ class PeerFault(RuntimeError):
         self, kind: str, stage: str, peer: str, waited_s: float, key: str, detail: str = ""
     ):
         self.kind, self.stage, self.peer, self.waited_s, self.key = kind, stage, peer, waited_s, key
+        self.detail = detail
         tail = f": {detail}" if detail else ""
         super().__init__(
             f"{kind} fault: {stage}: no answer from {peer} for {waited_s:.0f} s ({key}){tail}"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a Ray actor, re-raised on the driver
+        return type(self), (self.kind, self.stage, self.peer, self.waited_s, self.key, self.detail)
 
 
 class BadAnswer(RuntimeError):
@@ -110,3 +115,27 @@ def call_with_deadline(
     if "err" in box:
         raise box["err"]
     return box["out"]
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """A torch.distributed collective that gave up waiting for a peer: gloo raises "Timed
+    out waiting <N>ms for recv operation", c10d "... timed out" / "Timeout"."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+@contextmanager
+def collective_deadline(stage: str, rank: int, world_size: int, timeout_s: float) -> Iterator[None]:
+    """Runs a trainer rank's part of ``stage``; a collective in it that timed out (the process
+    group's timeout, ``faults.startup_timeout_s``) becomes a :class:`PeerFault` of kind
+    ``collective``. The rank cannot tell which peer never came; the driver, which sees whose
+    call has not returned, names it (:meth:`gyre.runners.bounded.Waits.get`)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if world_size < 2 or not is_collective_timeout(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        peer = f"the trainer ranks other than {rank}"
+        key = f"faults.startup_timeout_s={timeout_s:g}"
+        raise PeerFault("collective", stage, peer, timeout_s, key, first[:300]) from exc

@@ -219,3 +219,35 @@ def test_trainer_failure_restarts_from_checkpoint(ray_cluster, warm_model, tmp_p
     assert sorted(ids) == sorted(_expected_ids(4))  # steps after the checkpoint trained once
     steps = [r["step"] for r in _metrics(d) if "train/loss" in r]
     assert steps[-1] == 4 and set(steps) == {1, 2, 3, 4}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GYRE_SLOW") != "1", reason="slow: set GYRE_SLOW=1")
+def test_an_async_resume_trains_the_groups_its_checkpoint_buffered(
+    ray_cluster, warm_model, tmp_path
+):
+    """Async, two batches ahead, a checkpoint every step: the groups generated and not yet
+    trained at a checkpoint are in its rollout buffer; resumed from it, the run trains those
+    very samples (same policy version and length) and every task exactly once. (An evaluation
+    every step runs on rollout worker 0 after the share it holds, so that share is back before
+    the checkpoint: the buffer is never empty by chance.)"""
+    from gyre.runners.scheduler import read_buffer
+
+    d = tmp_path / "resume"
+    extra = ["ray.mode=async", "ray.async_ahead=2", "ray.max_staleness=2",
+             "ray.tasks_per_share=1", "checkpoint.every=1", "checkpoint.keep=5",
+             "eval.every=1", "eval.episodes=2"]  # fmt: skip
+    runners.train(_cfg(d, warm_model, *extra, "train.steps=3"))
+    ckpt = d / "checkpoints" / "step_000001"
+    saved = read_buffer(ckpt)
+    groups = [*saved["buffer"], *(g for gs in saved["done"].values() for g in gs)]
+    assert json.loads((ckpt / "state.json").read_text())["buffered_groups"] == len(groups)
+    held = {t.traj_id: (t.policy_version, t.num_generated)
+            for task, ts in groups if task < 4 * TASKS for t in ts}  # fmt: skip
+    assert held, "the checkpoint buffered no group (generation did not run ahead)"
+    runners.train(_cfg(d, warm_model, *extra, "train.steps=4", f"run.resume={ckpt}"))
+    rows = [json.loads(x) for x in (d / "trajectories.jsonl").read_text().splitlines()]
+    trained = {r["traj_id"]: (r["policy_version"], r["response_tokens"])
+               for r in rows if r["status"] == "trained"}  # fmt: skip
+    assert sorted(_trained_ids(d)) == sorted(_expected_ids(4))  # each once, none lost
+    assert {i: trained[i] for i in held} == held  # the buffered samples, not regenerated ones

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import ast
 import logging
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import gyre
 from gyre.checkpoint.store import CheckpointStore
 from gyre.cli import _error_line
-from gyre.deadlines import EXIT_PEER, PeerFault, call_with_deadline
+from gyre.deadlines import EXIT_PEER, PeerFault, call_with_deadline, collective_deadline
 from gyre.engines.http_engine import HttpEngine, NoServerError
 from gyre.types import GenerationRequest, SamplingParams
 from serve_helpers import free_port
@@ -136,3 +138,108 @@ def test_no_server_is_an_engine_fault_exit_69_naming_stage_peer_and_time():
     assert code == 69
     assert line.startswith(f"gyre: engine fault: completion (no live server): no answer from {url}")
     assert "(engine.timeout_s=1)" in line and "ConnectError" in line
+
+
+def _rank(rank: int, port: int, out: Any) -> None:
+    """A gloo rank of two with a 2 s process-group timeout: rank 0 all-reduces, rank 1 never
+    reaches the collective (it sleeps, as a wedged rank would)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=2))  # fmt: skip
+    if rank == 1:
+        time.sleep(20)
+        return
+    t0 = time.monotonic()
+    try:
+        with collective_deadline("update of step 3", 0, 2, 2.0):
+            dist.all_reduce(torch.ones(4))
+        out.put(("returned", "", 0.0))
+    except PeerFault as exc:
+        out.put((exc.kind, str(exc), time.monotonic() - t0))
+    except BaseException as exc:  # what the test must see if the guard misses it
+        out.put((type(exc).__name__, str(exc), time.monotonic() - t0))
+
+
+def test_a_rank_that_never_reaches_a_collective_is_a_named_collective_fault():
+    """A real gloo all-reduce whose peer never comes gives up after the process group's
+    timeout; the waiting rank's guard turns gloo's error into a collective fault (exit 69)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        kind, text, waited = out.get(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
+    assert kind == "collective", text
+    assert text.startswith(
+        "collective fault: update of step 3: no answer from the trainer ranks other than 0 "
+        "for 2 s (faults.startup_timeout_s=2)"
+    ), text
+    assert 1.5 < waited < 30
+    line, code = _error_line(PeerFault("collective", "x", "y", 2, "k"))
+    assert code == 69 and line.startswith("gyre: collective fault: x")
+
+
+class _Ref:
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+
+class _FakeRay:
+    """Enough of ``ray`` for :class:`Waits`: refs in ``running`` never become ready."""
+
+    def __init__(self, running: list[_Ref]) -> None:
+        self.running = running
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        ready = [r for r in refs if r not in self.running]
+        return ready, [r for r in refs if r in self.running]
+
+    def get(self, refs, timeout=None):
+        for r in refs if isinstance(refs, list) else [refs]:
+            if r.error is not None:
+                raise r.error
+        return [r.value for r in refs] if isinstance(refs, list) else refs.value
+
+
+def test_the_driver_names_the_rank_that_never_reached_the_collective(monkeypatch):
+    """Rank 0 reports a collective timeout while rank 1's call still runs: the driver stops at
+    once (not after faults.call_timeout_s) and names rank 1; a rank that died wins instead,
+    so the group restarts."""
+    from gyre.config.ops import FaultsConfig
+    from gyre.runners.bounded import Waits
+
+    timed_out = PeerFault(
+        "collective", "update of step 3", "the trainer ranks other than 0", 600,
+        "faults.startup_timeout_s=600", "Timed out waiting 600000ms",
+    )  # fmt: skip
+    wedged = _Ref()
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay([wedged]))
+    waits = Waits(FaultsConfig(call_timeout_s=3600, heartbeat_s=1))
+    t0 = time.monotonic()
+    with pytest.raises(PeerFault) as err:
+        waits.get([_Ref(error=timed_out), wedged], "trainer", "update of step 3", "the group")
+    assert time.monotonic() - t0 < 5
+    assert str(err.value) == (
+        "collective fault: update of step 3: no answer from trainer rank 1 for 600 s "
+        "(faults.startup_timeout_s=600): rank 0 timed out in a collective that rank 1 never "
+        "reached"
+    )
+    died = RuntimeError("the actor died unexpectedly")
+    with pytest.raises(RuntimeError, match="died"):
+        waits.get([_Ref(error=timed_out), _Ref(error=died), wedged], "trainer", "s", "g")
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay([]))
+    assert waits.get([_Ref(1), _Ref(2)], "trainer", "s", "g") == [1, 2]
+    with pytest.raises(PeerFault) as err:  # every rank timed out: the rank's own line
+        waits.get([_Ref(error=timed_out), _Ref(error=timed_out)], "trainer", "s", "g")
+    assert err.value is timed_out

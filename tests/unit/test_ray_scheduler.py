@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from gyre.runners.scheduler import Group, ShareScheduler
+from gyre.runners.scheduler import (
+    BUFFER_FILE,
+    BUFFER_KEY,
+    Group,
+    ShareScheduler,
+    read_buffer,
+    write_buffer,
+)
 from gyre.types import Trajectory
 
 
@@ -203,3 +210,72 @@ def test_a_resume_after_an_odd_number_of_drops_trains_no_task_twice():
     batch, _ = r.take_batch(1)
     assert [g.task for g in batch] == [3, 4]  # task 2 stays dropped: counted once
     assert r.dropped == 1
+
+
+def _checkpointed(s: ShareScheduler, folder) -> ShareScheduler:
+    """What a resume builds from ``s``'s checkpoint: the counters of ``state.json`` plus the
+    groups of the rollout-buffer file, written and read back as the runner does."""
+    saved = s.checkpoint_state()
+    write_buffer(folder, saved.pop(BUFFER_KEY))
+    r = _resumed(s)
+    r.restore_buffer(read_buffer(folder))
+    assert saved["buffered_groups"] == len(r.buffer) + sum(len(g) for g in r.done.values())
+    return r
+
+
+def _same(a: list[Group], b: list[Group]) -> bool:
+    key = lambda gs: [(t.traj_id, t.policy_version, t.token_ids) for g in gs for t in g.trajs]  # noqa: E731
+    return key(a) == key(b)
+
+
+def test_a_resume_trains_the_buffered_groups_with_their_versions(tmp_path):
+    """Async, two batches ahead: at the checkpoint after step 1, tasks 2-5 are generated (by
+    version 0) and not trained. The resumed run trains those very samples, as the run that was
+    never stopped does, and generates no share of them again."""
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=2, max_staleness=1)
+    assert _start_all(s) == [0, 1, 2]
+    for share in range(3):
+        _finish(s, share, 0)
+    s.take_batch(0)  # step 1 trains tasks 0, 1 -> version 1; then the checkpoint
+    r = _checkpointed(s, tmp_path)
+    assert _start_all(r) == _start_all(s) == [3]  # shares 1 and 2 are not generated again
+    a, b = s.take_batch(1), r.take_batch(1)  # staleness 1: trained
+    assert [g.task for g in b[0]] == [2, 3] and _same(a[0], b[0])
+    a, b = s.take_batch(3), r.take_batch(3)  # staleness 3 > 1: dropped by the same rule
+    assert a[0] == b[0] == [] and _same(a[1], b[1]) and r.dropped == s.dropped == 2
+    assert r.finalized == s.finalized == 6
+
+
+def test_a_resume_reissues_only_the_shares_that_were_in_flight(tmp_path):
+    """Share 2 came back before share 1 (in flight at the checkpoint): the resumed run keeps
+    share 2's groups, generates share 1 again, and consumes them in task order."""
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=2, max_staleness=2)
+    assert _start_all(s) == [0, 1, 2]
+    _finish(s, 0, 0)
+    _finish(s, 2, 0)
+    s.take_batch(0)
+    r = _checkpointed(s, tmp_path)
+    assert r.next_to_start() == 1  # the share in flight, first
+    assert _start_all(r) == [3]
+    _finish(r, 1, 1)  # generated again, by the restored policy (version 1)
+    batch, _ = r.take_batch(1)
+    assert [(g.task, g.version) for g in batch] == [(2, 1), (3, 1)]
+    batch, _ = r.take_batch(2)
+    assert [(g.task, g.version) for g in batch] == [(4, 0), (5, 0)]  # share 2 as it came back
+    with pytest.raises(RuntimeError, match="returned twice"):
+        _finish(r, 2, 1)
+
+
+def test_a_buffer_that_does_not_start_at_the_frontier_is_refused(tmp_path):
+    s = ShareScheduler(tasks_per_step=2, tasks_per_share=2, ahead=1, max_staleness=1)
+    _start_all(s)
+    _finish(s, 0, 0)
+    _finish(s, 1, 0)
+    s.take_batch(0)
+    saved = s.checkpoint_state()
+    write_buffer(tmp_path, saved[BUFFER_KEY])
+    s.finalized = 1  # a state.json from another checkpoint than the buffer file
+    with pytest.raises(ValueError, match=r"start at task 2.*frontier .* is task 1"):
+        _resumed(s).restore_buffer(read_buffer(tmp_path), "ckpt/rollout_buffer.pkl")
+    (tmp_path / BUFFER_FILE).unlink()
+    assert read_buffer(tmp_path) is None  # an older checkpoint: regenerate from the frontier

@@ -288,6 +288,9 @@ class Checkpointer:
         self.config_hash = config_hash(self.config)
         self.failed_writes = 0
         self.stats: list[dict[str, Any]] = []
+        # More files for every GRPO checkpoint of this handle, written into the staged folder
+        # (so the manifest and the atomic rename cover them): the Ray runner's rollout buffer.
+        self.also_write: list[Callable[[Path], None]] = []
 
     # -- fresh-run refusal ---------------------------------------------------------------------
     def holds_run(self) -> list[str]:
@@ -402,6 +405,12 @@ class Checkpointer:
         """
         prefix = SFT_PREFIX if phase == "sft" else GRPO_PREFIX
         full = {**state, "metrics_offset": durable_size(metrics_path)}
+        writers = [w for w in (extra, *self.also_write) if w is not None]
+
+        def write_more(folder: Path) -> None:
+            for w in writers:
+                w(folder)
+
         snap = Snapshot(
             step,
             full,
@@ -411,7 +420,7 @@ class Checkpointer:
             self.config,
             self.config_hash,
             phase,
-            extra,
+            write_more if writers else None,
         )
         t0 = time.perf_counter()
         try:

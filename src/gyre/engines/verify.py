@@ -192,14 +192,16 @@ class SyncVerifier:
         for name, lp in got.items():
             gap = mean_gap(lp, want)
             worst = max(worst, gap)
-            self._judge(name, version, gap, lp)
+            self.judge(name, version, gap, lp)
         self.reference = (version, want)
         if hasattr(self.engine, "probe"):  # an HTTP server that comes back is checked too
             self.engine.probe = (self.ids, want, self.tolerance)
         return {"sync/verify_gap": worst, "sync/verify_s": time.perf_counter() - t0,
                 "sync/verified_engines": float(len(got))}  # fmt: skip
 
-    def _judge(self, name: str, version: int, gap: float, lp: list[float]) -> None:
+    def judge(self, name: str, version: int, gap: float, lp: list[float]) -> None:
+        """Raise :class:`SyncNotApplied` when engine ``name``'s probe log-probs ``lp``, ``gap``
+        nats/token from the trainer's at ``version``, show the sync was not applied."""
         tol = self.tolerance
         why = ""
         if gap > tol:

@@ -21,13 +21,15 @@ import torch
 from gyre.checkpoint.resume import Checkpointer
 from gyre.checkpoint.store import fault_point, write_model_dir
 from gyre.config import Config
+from gyre.deadlines import collective_deadline
 from gyre.engines.factory import initial_sync
 from gyre.engines.sync import WeightSync
 from gyre.envs.record import trained_on
 from gyre.models.build import load_tokenizer
 from gyre.models.lora import load_policy
 from gyre.rollout.core import Rollout
-from gyre.runners.scheduler import Share
+from gyre.runners.probe import WorkerProbe, with_probe
+from gyre.runners.scheduler import BUFFER_KEY, Share, write_buffer
 from gyre.trainer.core import Trainer
 from gyre.types import Trajectory
 
@@ -63,6 +65,7 @@ class RolloutWorker:
         )
         self.cfg = cfg
         self.index = index
+        self.probe = WorkerProbe(cfg.engine.verify_tolerance)  # the sync check (runners/probe.py)
 
     def pid(self) -> int:
         return os.getpid()
@@ -76,8 +79,12 @@ class RolloutWorker:
         t0 = time.perf_counter()
         if isinstance(weights, str):
             self.rollout.follow(weights, version)
-        else:
-            self.rollout.load_weights(weights, version)
+            return time.perf_counter() - t0
+        weights, probe = self.probe.split(weights)
+        self.rollout.load_weights(weights, version)
+        if probe is not None:  # exit 3 when the engine does not serve what it was sent
+            engine = self.rollout.engine
+            self.probe.check(engine.model, f"rollout worker {self.index}", version, probe)
         return time.perf_counter() - t0
 
     def _catch_up(self, weights: list[Any] | None, version: int) -> float:
@@ -202,12 +209,21 @@ class TrainerRank:
         assert self.trainer is not None, "init_group first"
         hand = self.handover.to_trainer() if self.handover is not None else {}
         t0, cpu0 = time.perf_counter(), time.process_time()
-        m = self.trainer.update(step, trajs)
+        fault_point(f"trainer.update.rank{self.rank}")  # tests: a rank that never gets there
+        with self._collective(f"update of step {step}"):
+            m = self.trainer.update(step, trajs)
         m["time/trainer_update_s"] = time.perf_counter() - t0
         m["time/trainer_update_cpu_s"] = time.process_time() - cpu0
         if self.handover is not None:  # before the weight load: the engines wake first
             hand.update(self.handover.to_engines())
         return {**m, **hand}
+
+    def _collective(self, stage: str) -> Any:
+        """A collective of ``stage`` that times out is a named fault (exit 69), not a bare
+        gloo error that would restart the group to hang again."""
+        return collective_deadline(
+            stage, self.rank, self.world_size, self.cfg.faults.startup_timeout_s
+        )
 
     def update_and_gather(self, step: int, trajs: list[Trajectory]) -> tuple[dict[str, float], Any]:
         """``update`` then ``get_weights`` in one call (called with ``num_returns=2``): the
@@ -240,7 +256,11 @@ class TrainerRank:
                 self.http_sync.sync(self.trainer.model, version)
             path = str(self.http_sync.sync_dir / f"v{version}")
             return path, 0
-        state = self.trainer.weights()
+        with self._collective("weight gather"):  # FSDP2: an all-gather
+            state = self.trainer.weights()
+        if not hasattr(self.trainer.comm, "mirror"):  # not FSDP2: the probe rides with them
+            model, tok = self.trainer.model, self.trainer.tokenizer
+            state = with_probe(self.cfg, state, model, tok, version)
         return state, sum(t.numel() * t.element_size() for t in state.values())
 
     def save(self, step: int, state: dict[str, Any], keep: int) -> str | None:
@@ -250,7 +270,12 @@ class TrainerRank:
         assert self.trainer is not None
         run_dir = Path(self.cfg.run.dir)
         ckpt = Checkpointer(self.cfg, run_dir)
-        return self.trainer.save(ckpt, step, state, run_dir / "metrics.jsonl")
+        state = dict(state)
+        buffered = state.pop(BUFFER_KEY, None)  # groups not yet trained: their own file
+        if buffered is not None:
+            ckpt.also_write.append(lambda folder: write_buffer(folder, buffered))
+        with self._collective(f"checkpoint of step {step}"):  # FSDP2: an all-gather
+            return self.trainer.save(ckpt, step, state, run_dir / "metrics.jsonl")
 
     def save_final(self, out_dir: str) -> None:
         """The final model; under FSDP2 a collective (every rank gathers, rank 0 writes)."""

@@ -22,18 +22,30 @@ class Waits:
         self.f = faults
 
     def get(self, refs: Any, kind: str, stage: str, peer: str, startup: bool = False) -> Any:
-        """``ray.get(refs)`` once every ref is ready, within the deadline; else a fault."""
+        """``ray.get(refs)`` once every ref is ready, within the deadline; else a fault.
+
+        The refs of a ``trainer`` call are one per rank, in rank order: as soon as one rank
+        reports a collective that timed out, the ranks whose calls are still running are the
+        ones that never reached it, and the run stops naming them (a rank that *died* is
+        raised as such instead: the trainer group restarts)."""
         import ray
 
         timeout_s, key = self._deadline(startup)
-        pending = list(refs) if isinstance(refs, list) else [refs]
+        every = list(refs) if isinstance(refs, list) else [refs]
+        pending, checked = list(every), 0
         hb = Heartbeat(stage, peer, timeout_s, self.f.heartbeat_s)
         while pending:
             if hb.left <= 0:
                 raise PeerFault(kind, stage, peer, hb.waited, key)
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=hb.slice())
+            _, pending = ray.wait(pending, num_returns=1, timeout=hb.slice())
+            if kind == "trainer" and pending and len(every) - len(pending) > checked:
+                checked = len(every) - len(pending)
+                _stuck_in_a_collective(every, pending)
             hb.beat()
-        return ray.get(refs, timeout=max(hb.left, 1.0))
+        try:
+            return ray.get(refs, timeout=max(hb.left, 1.0))
+        except PeerFault as exc:  # raised in an actor: its own one line, not Ray's wrapper
+            raise _cause(exc) from None
 
     def any(self, refs: list[Any], kind: str, stage: str, peer: str) -> list[Any]:
         """The first ready refs of ``refs`` (``ray.wait(num_returns=1)``), within the deadline."""
@@ -52,3 +64,34 @@ class Waits:
     def _deadline(self, startup: bool) -> tuple[float, str]:
         s = self.f.startup_timeout_s if startup else self.f.call_timeout_s
         return s, f"faults.{'startup' if startup else 'call'}_timeout_s={s:g}"
+
+
+def _cause(exc: PeerFault) -> PeerFault:
+    cause = getattr(exc, "cause", None)  # a RayTaskError that is also the PeerFault it wraps
+    return cause if isinstance(cause, PeerFault) else exc
+
+
+def _stuck_in_a_collective(ranks: list[Any], pending: list[Any]) -> None:
+    """Raise when a finished rank's call failed on a collective timeout while others still
+    run: those never reached the collective. A rank that died wins (the group restarts)."""
+    import ray
+
+    faults, other = [], None
+    for rank, ref in enumerate(ranks):
+        if ref in pending:
+            continue
+        try:
+            ray.get(ref, timeout=10)
+        except PeerFault as exc:
+            faults.append((rank, _cause(exc)))
+        except Exception as exc:  # a dead rank: raised as it is, below
+            other = other or exc
+    if other is not None:
+        raise other
+    if faults:
+        rank, f = faults[0]
+        late = ", ".join(str(ranks.index(p)) for p in pending)
+        raise PeerFault(
+            "collective", f.stage, f"trainer rank {late}", f.waited_s, f.key,
+            f"rank {rank} timed out in a collective that rank {late} never reached",
+        )  # fmt: skip

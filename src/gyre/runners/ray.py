@@ -67,7 +67,7 @@ from gyre.runners.placement import (  # noqa: F401 - names this module has alway
 )
 from gyre.runners.ray_site import ActorSite, placement_group, ray, remove_placement_group
 from gyre.runners.rollout_pool import RolloutPool
-from gyre.runners.scheduler import Group, ShareScheduler
+from gyre.runners.scheduler import BUFFER_FILE, Group, ShareScheduler, read_buffer
 from gyre.runners.trainer_group import TrainerGroup, TrainerGroupFailed
 from gyre.telemetry import MetricsSink
 from gyre.telemetry.factory import Telemetry
@@ -196,6 +196,7 @@ class RayPlacement:
                 int(state["cursor"]), int(state.get("dropped", 0)), int(state.get("filtered", 0))
             )
         )
+        self.pool.sched.restore_buffer(read_buffer(checkpoint), f"{checkpoint}/{BUFFER_FILE}")
         policy = checkpoint / "model" if checkpoint else self.init_path
         self.group.start(policy, checkpoint, self.pool.epoch)
         if self.traj_log.exists():  # lines past the checkpoint will be trained again
@@ -354,12 +355,12 @@ class RayPlacement:
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         assert self.pool is not None
-        sched = self.pool.sched
+        pool = self.pool
+        while pool.pending and ray.wait(list(pool.pending), timeout=0)[0]:
+            pool.collect()  # shares back since the batch filled: saved, not generated again
         return {
-            "cursor": sched.finalized,
-            "dropped": sched.dropped,
-            "filtered": sched.filtered,
-            "policy_version": self.pool.version,
+            **pool.sched.checkpoint_state(),  # frontier, counters, the groups not yet trained
+            "policy_version": pool.version,
             "counters": dict(self.counters),
         }
 
