@@ -10,6 +10,7 @@
     gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
     gyre import FILE.gguf --out DIR            a GGUF checkpoint as a Hugging Face folder
     gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
+    gyre plan [RUN_DIR] --nodes N              where rollout and training go on N nodes
 
 Exit codes: 0 done, 1 error, 2 config or input error (a key, a file, a dataset row: named on
 one line), 3 aborted by a fault policy (faults.*, or nan/inf weights after an update), 75 stopped
@@ -70,7 +71,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "--debug", action="store_true", help="on an error, also print the traceback"
     )
     sub = parser.add_subparsers(
-        dest="command", metavar="{train,sft,eval,verify-resume,report,serve,export,submit}"
+        dest="command",
+        metavar="{train,sft,eval,verify-resume,report,plan,submit,serve,export,import,"
+        "tinker-serve}",
     )
     helps = {
         "train": "SFT warm start (if sft.steps > 0) then GRPO; the default runs the maze demo",
@@ -95,6 +98,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
     sub.add_parser("plan", help="placement planner: gyre plan [RUN_DIR] --nodes N")
     _add_submit(sub)
+    # dispatched before this parser (their own flags); listed here so that --help names them
+    sub.add_parser("serve", help="serve a model over HTTP: gyre serve --help")
+    sub.add_parser("export", help="export a run's weights: gyre export --help")
+    sub.add_parser("import", help="a GGUF file as a Hugging Face folder: gyre import --help")
+    sub.add_parser(
+        "tinker-serve", help="the Tinker API for the official SDK: gyre tinker-serve --help"
+    )
     ns = parser.parse_args(argv)
     if ns.help_config:
         print("\n".join(describe_fields()))
@@ -165,27 +175,30 @@ def _cell(e: dict, key: str, fmt: str) -> str:
     return fmt.format(e[key]) if key in e else "-"
 
 
-def _table(rows: list[tuple[str, dict]]) -> str:
+def _table(rows: list[tuple[str, dict]], env_success: bool = True) -> str:
+    """The held-out results. ``env_success=False`` (reward functions with ``env_weight: 0``):
+    the env's own success is no part of the run's reward, so the table shows the reward the
+    run trains on, greedy and sampled, instead of it."""
     from rich.table import Table
 
     t = Table(title="held-out evaluation")
-    cols = (
-        "policy",
-        "greedy success",
-        "sampled success",
-        "mean reward (greedy)",
-        "mean moves (greedy)",
-    )
+    if env_success:
+        cols = {
+            "greedy success": ("eval/success_greedy", "{:.1%}"),
+            "sampled success": ("eval/success_sampled", "{:.1%}"),  # none for the demonstrator
+            "mean reward (greedy)": ("eval/reward_greedy", "{:.3f}"),
+            "mean moves (greedy)": ("eval/moves_greedy", "{:.2f}"),
+        }
+    else:
+        cols = {
+            "mean reward (greedy)": ("eval/reward_greedy", "{:.3f}"),
+            "mean reward (sampled)": ("eval/reward_sampled", "{:.3f}"),
+        }
+    t.add_column("policy")
     for col in cols:
         t.add_column(col)
     for name, e in rows:
-        t.add_row(
-            name,
-            _cell(e, "eval/success_greedy", "{:.1%}"),
-            _cell(e, "eval/success_sampled", "{:.1%}"),  # none for the demonstrator
-            _cell(e, "eval/reward_greedy", "{:.3f}"),
-            _cell(e, "eval/moves_greedy", "{:.2f}"),
-        )
+        t.add_row(name, *(_cell(e, key, fmt) for key, fmt in cols.values()))
     return t
 
 
@@ -289,13 +302,14 @@ def _run(argv: list[str]) -> int:
         from gyre.runners import train
 
         s = train(cfg)
+        scored_by_env = cfg.reward.env_success_scored
         rows = [("demonstrator", s["demonstrator"])] if s.get("demonstrator") else []
         rows += [("before GRPO", s["before"]), ("after GRPO", s["after"])]
         if s.get("selected") and s["selected"]["step"] != s["steps"]:
             rows[-1] = (f"after GRPO (step {s['selected']['step']}, by validation)", s["after"])
             rows.append(("last step", s["last"]))
         if s["before"] or s["after"]:
-            console.print(_table(rows))
+            console.print(_table(rows, scored_by_env))
         else:  # train.source: the recorded agent's tasks are not gyre's to evaluate
             console.print("no held-out evaluation (train.source: recorded episodes)")
         console.print(f"run dir: {s['run_dir']}  wall time: {s['wall_s']:.0f}s")
@@ -329,7 +343,7 @@ def _eval(cfg: Config, console: Any) -> int:
     engine = run_torch_engine(cfg, model, tok)
     res = Rollout(cfg, engine, tok).evaluate()
     (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
-    console.print(_table([(cfg.model.path, res)]))
+    console.print(_table([(cfg.model.path, res)], cfg.reward.env_success_scored))
     return 0
 
 

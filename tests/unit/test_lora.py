@@ -53,6 +53,30 @@ def test_only_adapter_parameters_train(make_tiny_model):
     assert set(trainable_state(model)) == {n for n in model.state_dict() if "lora_" in n}
 
 
+def test_the_engine_copy_shares_the_frozen_base_and_owns_its_adapters(make_tiny_model):
+    from gyre.engines.factory import engine_copy
+
+    model = apply_lora(make_tiny_model(seed=0), LoraConfig(rank=4, target_modules=["q_proj"]))
+    copy = engine_copy(model)
+    mine, theirs = dict(model.named_parameters()), dict(copy.named_parameters())
+    assert mine.keys() == theirs.keys()
+    for name, p in mine.items():
+        same = theirs[name].data_ptr() == p.data_ptr()
+        assert same == (not p.requires_grad), name  # one base in memory, two adapters
+    _perturb(model)  # the trainer's step moves its adapter only
+    x = _x()
+    with torch.no_grad():
+        assert not torch.equal(model(x).logits, copy(x).logits)
+        copy.load_state_dict(trainable_state(model), strict=False)  # the memory sync
+        torch.testing.assert_close(model(x).logits, copy(x).logits, rtol=0, atol=0)
+    full = make_tiny_model(seed=0)  # full fine-tuning: nothing is shared
+    copy = engine_copy(full)
+    assert all(
+        a.data_ptr() != b.data_ptr()
+        for a, b in zip(full.parameters(), copy.parameters(), strict=True)
+    )
+
+
 def test_bad_target_modules_name_the_field(make_tiny_model):
     with pytest.raises(ValueError, match="target_modules"):
         apply_lora(make_tiny_model(), LoraConfig(target_modules=["nope_proj"]))

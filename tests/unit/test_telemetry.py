@@ -89,3 +89,34 @@ def test_console_rich_live_view_renders():
     for text in ("GRPO", "1/4", "reward 0.750", "success 0.500", "rollout 2.00s", "ETA", "hello"):
         assert text in out, text
     assert [format_duration(s) for s in (5, 75, 3725)] == ["5s", "1m15s", "1h02m"]
+
+
+def test_runs_scored_by_reward_functions_alone_show_their_reward_not_env_success(capsys):
+    import io
+
+    from rich.console import Console
+
+    from gyre.cli import _table
+    from gyre.config import load_config
+    from gyre.telemetry.factory import SUCCESS_KEYS
+    from gyre.telemetry.sinks import ConsoleSink
+
+    fns = "reward.functions=[{fn: gyre.rewards.math_answer:math_answer}]"
+    assert load_config(None, [fns]).reward.env_success_scored  # env_weight 1: both count
+    cfg = load_config(None, ["env.name=arithmetic", fns, "reward.env_weight=0"])
+    assert not cfg.reward.env_success_scored
+    c = ConsoleSink(10, "plain", hide=SUCCESS_KEYS)
+    c.log(0, {"eval/success_greedy": 0.0, "eval/reward_greedy": 0.33})
+    c.log(1, {"rollout/reward_mean": 0.25, "rollout/success_rate": 0.0})
+    c.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step 0/10  eval reward 0.330" and "success" not in lines[1]
+    before = {"eval/success_greedy": 0.0, "eval/reward_greedy": 0.33, "eval/reward_sampled": 0.1}
+    after = {"eval/success_greedy": 0.0, "eval/reward_greedy": 0.73, "eval/reward_sampled": 0.67}
+    out = io.StringIO()
+    Console(file=out, width=120).print(_table([("before", before), ("after", after)], False))
+    text = out.getvalue()
+    assert "success" not in text and "0.330" in text and "0.670" in text
+    out = io.StringIO()
+    Console(file=out, width=120).print(_table([("after", after)]))
+    assert "greedy success" in out.getvalue()

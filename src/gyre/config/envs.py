@@ -15,7 +15,7 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from gyre.config.adapters import GymnasiumConfig, ReasoningGymConfig
 from gyre.config.base import Section
-from gyre.config.maze import MazeConfig
+from gyre.config.maze import MazeChatConfig, MazeConfig
 from gyre.config.run import ArithmeticConfig, DatasetConfig
 from gyre.config.visual import MiniGridConfig, VisualMazeConfig
 
@@ -28,6 +28,7 @@ ENV_SECTIONS: dict[str, tuple[type[Section], str]] = {
     "reasoning_gym": (ReasoningGymConfig, "reasoning-gym adapter settings."),
     "visual_maze": (VisualMazeConfig, "Visual maze rendering (the maze itself is env.maze.*)."),
     "minigrid": (MiniGridConfig, "MiniGrid adapter settings."),
+    "maze_chat": (MazeChatConfig, "The text maze in chat messages (the maze is env.maze.*)."),
 }
 BUILTIN_ENVS = tuple(ENV_SECTIONS)
 
@@ -36,7 +37,7 @@ class _EnvBase(Section):
     name: str = Field(
         "maze",
         description="A built-in env (maze, arithmetic, dataset, gymnasium, reasoning_gym, "
-        "visual_maze, minigrid), a name given to gyre.envs.register, an import path "
+        "visual_maze, minigrid, maze_chat), a name given to gyre.envs.register, an import path "
         "'module:Class' or a file path 'envs.py:Class' "
         "(docs/envs.md).",
     )

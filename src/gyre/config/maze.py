@@ -73,3 +73,17 @@ class MazeConfig(Section):
                 f"env.maze.size={self.size}: corner to corner is {far} moves"
             )
         return self
+
+
+MAZE_CHAT_SYSTEM = "Walk the maze to the goal G. Reply with one move: u, d, l or r."
+
+
+class MazeChatConfig(Section):
+    """``env.maze_chat``: the text maze spoken in chat messages (``env.name=maze_chat``); the
+    maze itself is ``env.maze.*``."""
+
+    system: str = Field(
+        MAZE_CHAT_SYSTEM,
+        description="The system message that opens every episode (the rules); empty = none "
+        "(the chat template's own default system prompt, if it has one).",
+    )

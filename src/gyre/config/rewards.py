@@ -87,3 +87,10 @@ class RewardConfig(Section):
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig, description="Limits for functions with sandbox: true."
     )
+
+    @property
+    def env_success_scored(self) -> bool:
+        """Whether the env's own reward (and so its ``success``) is part of the run's reward;
+        False when reward functions alone score it (``env_weight: 0``), where the console and
+        the results table show the functions' reward instead of the env's success."""
+        return not self.functions or self.env_weight != 0

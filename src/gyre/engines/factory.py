@@ -42,6 +42,15 @@ def run_torch_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> Tor
     )
 
 
+def engine_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The in-process engine's copy of the policy. Frozen parameters (a LoRA run's base) are
+    shared with ``model``, not copied: neither side ever writes them (the optimizer steps
+    the trainable ones, and a weight sync copies only those), so a LoRA run holds one base
+    instead of two. Full fine-tuning copies every parameter."""
+    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    return copy.deepcopy(model, frozen)
+
+
 def build_engine(
     cfg: Config, model: torch.nn.Module, tokenizer: Any, run_dir: Path
 ) -> tuple[Any, WeightSync]:
@@ -53,7 +62,7 @@ def build_engine(
     """
     e = cfg.engine
     if e.kind == "torch":
-        policy = model if e.weight_sync == "shared" else copy.deepcopy(model)
+        policy = model if e.weight_sync == "shared" else engine_copy(model)
         engine: Any = run_torch_engine(cfg, policy, tokenizer)
     else:
         from gyre.engines.http_engine import HttpEngine, HttpSettings

@@ -64,6 +64,11 @@ def env_factory(cfg: EnvConfig) -> Callable[[], Env]:
     """A zero-argument constructor for the env named by ``cfg.name``."""
     if cfg.name == "maze":
         return lambda: MazeEnv.from_config(cfg.maze)
+    if cfg.name == "maze_chat":
+        from gyre.envs.maze_chat import MazeChatEnv
+
+        m, system = cfg.maze, cfg.maze_chat.system
+        return lambda: MazeChatEnv(MazeEnv.from_config(m), system)
     if cfg.name == "arithmetic":
         a = cfg.arithmetic
         return lambda: ArithmeticEnv(a.max_operand, a.ops)

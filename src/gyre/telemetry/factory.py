@@ -15,7 +15,7 @@ from typing import Any
 
 from gyre.config import Config, dump_config
 from gyre.telemetry.samples import SampleWriter
-from gyre.telemetry.sinks import ConsoleSink, JsonlSink, MetricsSink, MultiSink
+from gyre.telemetry.sinks import SUCCESS_KEYS, ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from gyre.types import Trajectory
 
 
@@ -96,7 +96,9 @@ def build_telemetry(
 
             sinks.append(MlflowSink(run_dir, t.mlflow_tracking_uri, cfg.model_dump(mode="json")))
         if cfg.log.console != "off":
-            sinks.append(ConsoleSink(cfg.train.steps, cfg.log.console, title))
+            # reward functions alone (env_weight 0): the env's success is not what the run learns
+            hide = () if cfg.reward.env_success_scored else SUCCESS_KEYS
+            sinks.append(ConsoleSink(cfg.train.steps, cfg.log.console, title, hide=hide))
         if extra is not None:
             sinks.append(extra)
     except BaseException:

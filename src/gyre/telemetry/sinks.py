@@ -10,7 +10,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -81,6 +81,10 @@ HEADLINE = (
 )
 
 
+SUCCESS_KEYS = ("rollout/success_rate", "eval/success_greedy")
+"""The env's own success in the headline: hidden where reward functions alone score a run."""
+
+
 class _Status:
     """The line under the progress bar; rich re-renders it on every refresh."""
 
@@ -109,8 +113,10 @@ class ConsoleSink:
         mode: str = "auto",
         title: str = "GRPO",
         console: Any | None = None,
+        hide: Collection[str] = (),
     ) -> None:
         self.total = total_steps
+        self.headline = [h for h in HEADLINE if h[0] not in hide]
         self.mode = mode
         if mode == "auto":
             self.mode = "rich" if sys.stdout.isatty() else "plain"
@@ -154,7 +160,7 @@ class ConsoleSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         parts = [
             f"{label} {fmt.format(metrics[key])}"
-            for key, label, fmt in HEADLINE
+            for key, label, fmt in self.headline
             if metrics.get(key) is not None
         ]
         phases = [
