@@ -382,7 +382,10 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model, tokenizer = load_model(args.model or None, args.seed, workdir)
     perf: PerfConfig = args.perf_config
     engine = TorchEngine(
-        model, pad_token_id=tokenizer.pad_token_id, seed=args.seed, **torch_engine_options(perf)
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=args.seed,
+        options=torch_engine_options(perf),
     )
     torch.manual_seed(args.seed)  # HF generate samples from the global RNG
 
@@ -440,7 +443,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         )
     report.update(
         # the perf.* keys the gyre side ran with; lean_forward: whether it really ran
-        engine_flags={**perf.model_dump(), "lean_forward": engine._lean() is not None},
+        engine_flags={**perf.model_dump(), "lean_forward": engine.runner.lean() is not None},
         load_average_1m=round(os.getloadavg()[0], 2),
         warmup_s=warmup,
         repeats=args.repeats,

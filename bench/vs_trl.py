@@ -142,7 +142,7 @@ def run_gyre(path: Path, task: Any, args: argparse.Namespace) -> dict[str, Any]:
         model if shared else copy.deepcopy(model),
         tok.pad_token_id,
         seed=args.seed,
-        **torch_engine_options(perf),
+        options=torch_engine_options(perf),
     )
     # fused: the same AdamW kernel as TRL (transformers defaults to optim="adamw_torch_fused")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)

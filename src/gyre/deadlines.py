@@ -79,8 +79,11 @@ class Heartbeat:
             self._next = now + self.every_s
             log.warning(
                 "gyre: waiting for %s on %s: %.0f s of %.0f s",
-                self.stage, self.peer, now - self.t0, self.timeout_s,
-            )  # fmt: skip
+                self.stage,
+                self.peer,
+                now - self.t0,
+                self.timeout_s,
+            )
 
     def slice(self) -> float:
         """How long the next blocking wait may last: until the next beat or the deadline."""
@@ -88,9 +91,14 @@ class Heartbeat:
 
 
 def call_with_deadline(
-    fn: Callable[[], T], kind: str, stage: str, peer: str, timeout_s: float, key: str,
+    fn: Callable[[], T],
+    kind: str,
+    stage: str,
+    peer: str,
+    timeout_s: float,
+    key: str,
     heartbeat_s: float = 60.0,
-) -> T:  # fmt: skip
+) -> T:
     """``fn()`` in a daemon thread; :class:`PeerFault` if it has not returned in ``timeout_s``.
 
     For blocking library calls that take no timeout of their own (an fsspec upload). A call

@@ -72,9 +72,14 @@ class Placement(Protocol):
 
     def connect(self) -> None: ...  # before signal handlers are installed (ray.init)
     def start(
-        self, run_dir: Path, policy: Path, ref: Path, plan: ResumePlan, out: Telemetry,
+        self,
+        run_dir: Path,
+        policy: Path,
+        ref: Path,
+        plan: ResumePlan,
+        out: Telemetry,
         ckpt: Checkpointer,
-    ) -> None: ...  # fmt: skip
+    ) -> None: ...
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]: ...
     def update(self, step: int, trajs: list[Trajectory]) -> dict[str, float]: ...
     def sync(self, step: int) -> dict[str, float]: ...
@@ -134,9 +139,13 @@ def base_model_path(cfg: Config, run_dir: Path) -> Path:
 
 
 def warm_start(
-    cfg: Config, run_dir: Path, device: torch.device, ckpt: Checkpointer, plan: ResumePlan,
+    cfg: Config,
+    run_dir: Path,
+    device: torch.device,
+    ckpt: Checkpointer,
+    plan: ResumePlan,
     guard: StopGuard,
-) -> tuple[Path, Path]:  # fmt: skip
+) -> tuple[Path, Path]:
     """(the policy to load, the policy GRPO starts from = the KL reference): a checkpoint's
     model when resuming GRPO; else the SFT output (running SFT first if needed) or the base."""
     base = base_model_path(cfg, run_dir)
@@ -207,9 +216,13 @@ def train(cfg: Config, placement: Placement, sink: MetricsSink | None = None) ->
 
 
 def _steps(
-    cfg: Config, placement: Placement, out: Telemetry, plan: ResumePlan, run_dir: Path,
+    cfg: Config,
+    placement: Placement,
+    out: Telemetry,
+    plan: ResumePlan,
+    run_dir: Path,
     guard: StopGuard,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The GRPO steps between the before- and after-evaluation; returns the loop state."""
     metrics_path = run_dir / "metrics.jsonl"
     state = _loop_state(plan.state if plan.phase == "grpo" else {})
@@ -282,14 +295,22 @@ def _loop_state(saved: dict[str, Any]) -> dict[str, Any]:
     """The loop's own part of a checkpoint's state: step, evaluations, fault counters."""
     faults = {"nonfinite_streak": 0, "nonfinite_steps": 0, "failed_episodes": 0, "episodes": 0}
     faults.update(saved.get("faults", {}))
-    return {"step": int(saved.get("step", 0)), "evals": dict(saved.get("evals", {})),
-            "faults": faults, "best": saved.get("best")}  # fmt: skip
+    return {
+        "step": int(saved.get("step", 0)),
+        "evals": dict(saved.get("evals", {})),
+        "faults": faults,
+        "best": saved.get("best"),
+    }
 
 
 def _keep_best(
-    cfg: Config, placement: Placement, state: dict[str, Any], step: int, m: dict[str, float],
+    cfg: Config,
+    placement: Placement,
+    state: dict[str, Any],
+    step: int,
+    m: dict[str, float],
     run_dir: Path,
-) -> None:  # fmt: skip
+) -> None:
     """``eval.select=val``: after an evaluation whose validation greedy success beats every
     earlier one, write the weights to ``<run.dir>/best`` and remember the step, its validation
     score and its held-out metrics (reported, never compared)."""

@@ -194,12 +194,12 @@ def test_decode_step_follows_a_replaced_model(tokenizer, make_tiny_model):
     step (compiled or not) must run the new object, never a stale one."""
     a, b = make_tiny_model(seed=1), make_tiny_model(seed=2)
     eager = TorchEngine(a, tokenizer.pad_token_id)
-    assert eager._decode_model() is a
+    assert eager.runner.decode_model() is a
     eager.model = b
-    assert eager._decode_model() is b
+    assert eager.runner.decode_model() is b
     compiled = TorchEngine(a, tokenizer.pad_token_id, compile_decode=True)
-    first = compiled._decode_model()  # torch.compile is lazy: nothing compiles until called
-    assert compiled._decode_model() is first
+    first = compiled.runner.decode_model()  # torch.compile is lazy: nothing compiles until called
+    assert compiled.runner.decode_model() is first
     compiled.model = b
-    second = compiled._decode_model()
-    assert second is not first and compiled._compiled_of is b
+    second = compiled.runner.decode_model()
+    assert second is not first and compiled.runner._compiled_of is b

@@ -190,7 +190,7 @@ def test_http_engine_sends_the_real_key(tmp_path, monkeypatch, make_tiny_model, 
     cfg = load_config(None, ["engine.kind=http", "engine.urls=[http://127.0.0.1:9]"])
     engine, _ = build_engine(cfg, make_tiny_model(), tokenizer, tmp_path)
     try:
-        assert engine._client.headers["authorization"] == "Bearer sk-env-456"
+        assert engine.pool.client.headers["authorization"] == "Bearer sk-env-456"
     finally:
         engine.close()
     assert "sk-env-456" not in dump_config(cfg)

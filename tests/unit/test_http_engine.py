@@ -11,9 +11,8 @@ from gyre.engines.http_engine import (
     HttpEngine,
     NoServerError,
     ServerError,
-    _parse_completion,
-    _parse_generate,
 )
+from gyre.engines.http_wire import parse_completion, parse_generate
 from gyre.types import GenerationRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,28 +32,28 @@ def test_http_completion_parsing():
             }
         ]
     }
-    c = _parse_completion(ok, "u")
+    c = parse_completion(ok, "u")
     assert c.token_ids == [7, 4] and c.logprobs == [-0.5, -0.25] and c.finish_reason == "stop"
     assert c.top_logprobs == [{7: -0.5}, {4: -0.25}]
     ok["choices"][0]["token_ids"] = [7, 4]  # vLLM's return_token_ids wins when present
-    assert _parse_completion(ok, "u").token_ids == [7, 4]
+    assert parse_completion(ok, "u").token_ids == [7, 4]
     bad = {"choices": [{"finish_reason": "length", "token_ids": [1, 2], "logprobs": None}]}
     with pytest.raises(ServerError, match="logprobs"):
-        _parse_completion(bad, "http://x")
+        parse_completion(bad, "http://x")
     short = {
         "choices": [
             {"finish_reason": "length", "token_ids": [1, 2], "logprobs": {"token_logprobs": [0.0]}}
         ]
     }
     with pytest.raises(ServerError, match="2 token ids but 1 logprobs"):
-        _parse_completion(short, "http://x")
+        parse_completion(short, "http://x")
     text_tokens = {
         "choices": [
             {"finish_reason": "length", "logprobs": {"tokens": ["a"], "token_logprobs": [0.0]}}
         ]
     }
     with pytest.raises(ServerError, match="token_id"):
-        _parse_completion(text_tokens, "http://x")
+        parse_completion(text_tokens, "http://x")
 
 
 def test_sglang_generate_parsing():
@@ -65,13 +64,13 @@ def test_sglang_generate_parsing():
             "output_token_logprobs": [[-1.0, 9, None], [-0.5, 2, None]],
         },
     }
-    c = _parse_generate(data, "u")
+    c = parse_generate(data, "u")
     assert c.token_ids == [9, 2] and c.logprobs == [-1.0, -0.5] and c.finish_reason == "stop"
     data["output_ids"] = [9, 3]
     with pytest.raises(ServerError, match="disagree"):
-        _parse_generate(data, "u")
+        parse_generate(data, "u")
     with pytest.raises(ServerError, match="output_token_logprobs"):
-        _parse_generate({"meta_info": {}}, "u")
+        parse_generate({"meta_info": {}}, "u")
 
 
 def test_image_requests_send_image_data_and_check_the_prompt_length():
@@ -79,26 +78,26 @@ def test_image_requests_send_image_data_and_check_the_prompt_length():
     prompt length differs (the server expanded the placeholders otherwise) is an error."""
     import numpy as np
 
-    from gyre.engines.http_engine import _image_uris
+    from gyre.engines.http_wire import image_uris
     from gyre.models.vision import image_from_uri
 
     engine = HttpEngine(["http://127.0.0.1:9"], model="m", api="sglang")
     img = np.zeros((4, 6, 3), np.uint8)
     img[1, 2] = (1, 2, 3)
     reqs = [GenerationRequest([5, 6], images=[img, img]), GenerationRequest([5])]
-    uris = _image_uris(reqs)
+    uris = image_uris(reqs)
     assert uris[1] == [] and uris[0][0] == uris[0][1]
-    body = engine._body([5, 6], SamplingParams(), 0, uris[0])
+    body = engine._body([5, 6], SamplingParams(), uris[0])
     assert body["input_ids"] == [5, 6] and len(body["image_data"]) == 2
     assert np.array_equal(image_from_uri(body["image_data"][0], "x"), img)
-    assert "image_data" not in engine._body([5], SamplingParams(), 1, [])
+    assert "image_data" not in engine._body([5], SamplingParams(), [])
     engine.close()
     answer = {"meta_info": {"prompt_tokens": 10, "output_token_logprobs": [[-0.5, 7, None]]}}
-    assert _parse_generate(answer, "http://s", 10).token_ids == [7]
+    assert parse_generate(answer, "http://s", 10).token_ids == [7]
     with pytest.raises(ServerError, match="ran 10 prompt tokens for a prompt of 13 ids"):
-        _parse_generate(answer, "http://s", 13)
+        parse_generate(answer, "http://s", 13)
     with pytest.raises(ServerError, match=r"no meta_info\.prompt_tokens"):
-        _parse_generate({"meta_info": {"output_token_logprobs": []}}, "http://s", 3)
+        parse_generate({"meta_info": {"output_token_logprobs": []}}, "http://s", 3)
 
 
 def test_no_live_server_fails_clearly_after_the_timeout():
@@ -122,12 +121,12 @@ def test_bad_api_and_no_urls_are_refused():
 def test_refusals_read_the_servers_json_message():
     import httpx
 
-    from gyre.engines.http_engine import _error_text
+    from gyre.engines.http_wire import error_text
 
     err = {"error": {"message": "invalid request: seed: too big", "param": "seed", "code": 400}}
-    assert _error_text(httpx.Response(400, json=err)) == "400 invalid request: seed: too big"
+    assert error_text(httpx.Response(400, json=err)) == "400 invalid request: seed: too big"
     big = {"error": {"message": "request body is larger than this server's limit", "code": 413}}
-    assert "--max-body-mb" in _error_text(httpx.Response(413, json=big))
+    assert "--max-body-mb" in error_text(httpx.Response(413, json=big))
     sglang = {"success": False, "message": "model_path '/x' is not a directory"}
-    assert _error_text(httpx.Response(400, json=sglang)).endswith("is not a directory")
-    assert _error_text(httpx.Response(400, text="plain words")) == "400 plain words"
+    assert error_text(httpx.Response(400, json=sglang)).endswith("is not a directory")
+    assert error_text(httpx.Response(400, text="plain words")) == "400 plain words"

@@ -258,7 +258,7 @@ def test_engine_lean_equals_hf_forward(tokenizer, make_tiny_model):
     outs = {}
     for lean in (True, False):
         engine = TorchEngine(copy.deepcopy(model), tokenizer.pad_token_id, lean_forward=lean)
-        assert (engine._lean() is not None) == lean
+        assert (engine.runner.lean() is not None) == lean
         reqs = [
             GenerationRequest(p, session=(k, j), seed=100 * k + j)
             for k, p in enumerate(prompts)

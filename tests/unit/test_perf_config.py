@@ -4,7 +4,6 @@ the engine / rollout code it switches (explicitly, as arguments; no environment 
 from __future__ import annotations
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import yaml
 
 from gyre.config import ConfigError, describe_fields, dump_config, load_config
 from gyre.engines import TorchEngine
+from gyre.engines.engine_options import EngineOptions
 from gyre.engines.factory import build_engine, torch_engine_options
 from gyre.envs.maze import MazeEnv
 from gyre.rollout.episodes import run_episodes, stop_ids
@@ -59,19 +59,17 @@ def test_bad_perf_values_name_the_key():
         load_config(None, ["perf.compact_min=2"])
 
 
-def test_engine_options_defaults_are_the_engine_defaults():
+def test_engine_options_defaults_are_the_engine_defaults(tokenizer, make_tiny_model):
     """The engine a default run builds is the engine ``TorchEngine(model, pad)`` always was."""
     opts = torch_engine_options(load_config().perf)
-    params = inspect.signature(TorchEngine).parameters
-    assert opts == {k: params[k].default for k in opts}
-    assert opts == {
-        "prefix_sharing": True,
-        "compaction": True,
-        "compact_min": 0.5,
-        "compile_decode": False,
-        "lean_forward": True,
-        "shared_prefix_attention": True,
-    }
+    assert opts == EngineOptions()
+    assert TorchEngine(make_tiny_model(), tokenizer.pad_token_id).options == opts
+    assert (opts.prefix_sharing, opts.compaction, opts.compact_min) == (True, True, 0.5)
+    assert (opts.compile_decode, opts.lean_forward, opts.shared_prefix_attention) == (
+        False,
+        True,
+        True,
+    )
 
 
 def test_perf_keys_reach_the_built_engine(tmp_path, tokenizer, make_tiny_model):
@@ -87,9 +85,10 @@ def test_perf_keys_reach_the_built_engine(tmp_path, tokenizer, make_tiny_model):
         ],
     )
     engine, _ = build_engine(cfg, make_tiny_model(), tokenizer, tmp_path)
-    assert (engine.prefix_sharing, engine.compaction, engine.compact_min) == (False, False, 0.25)
-    assert engine.lean_forward is False and engine._lean() is None
-    assert engine.shared_prefix_attention is False and engine._compiled is True
+    opts = engine.options
+    assert (opts.prefix_sharing, opts.compaction, opts.compact_min) == (False, False, 0.25)
+    assert opts.lean_forward is False and engine.runner.lean() is None
+    assert opts.shared_prefix_attention is False and opts.compile_decode is True
 
 
 def _group_requests(tokenizer) -> list[GenerationRequest]:
@@ -114,7 +113,7 @@ def test_shared_prefix_attention_switch_reaches_decode(tokenizer, make_tiny_mode
     for flag in ("true", "false"):
         perf = load_config(None, [f"perf.shared_prefix_attention={flag}"]).perf
         engine = TorchEngine(
-            copy.deepcopy(model), tokenizer.pad_token_id, **torch_engine_options(perf)
+            copy.deepcopy(model), tokenizer.pad_token_id, options=torch_engine_options(perf)
         )
         calls.clear()
         outs[flag] = [c.token_ids for c in engine.generate(_group_requests(tokenizer), params)]
@@ -182,8 +181,8 @@ def test_ray_rollout_worker_engine_takes_perf(tmp_path, tiny_cfg):
     finally:
         torch.set_num_threads(threads)  # the worker sets its actor's thread count
     engine = worker.rollout.engine
-    assert engine.lean_forward is False and engine.prefix_sharing is False
-    assert engine.compaction is True  # the default
+    assert engine.options.lean_forward is False and engine.options.prefix_sharing is False
+    assert engine.options.compaction is True  # the default
 
 
 def test_no_numeric_env_switch_is_read(monkeypatch, tokenizer, make_tiny_model):
@@ -192,5 +191,6 @@ def test_no_numeric_env_switch_is_read(monkeypatch, tokenizer, make_tiny_model):
         monkeypatch.setenv(name, "0")
     monkeypatch.setenv("GYRE_COMPILE_DECODE", "1")
     engine = TorchEngine(make_tiny_model(), tokenizer.pad_token_id)
-    assert engine.prefix_sharing and engine.compaction and not engine._compiled
-    assert engine._lean() is not None
+    opts = engine.options
+    assert opts.prefix_sharing and opts.compaction and not opts.compile_decode
+    assert engine.runner.lean() is not None

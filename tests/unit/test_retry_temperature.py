@@ -176,11 +176,11 @@ def test_maze_info_says_which_actions_were_invalid():
 
 def test_http_engine_sends_a_request_temperature_in_its_body():
     engine = object.__new__(HttpEngine)
-    engine.api, engine._pool = "openai", ThreadPoolExecutor(2)
+    engine.api, engine._workers = "openai", ThreadPoolExecutor(2)
     engine.timeout_s, engine.max_retries, engine.servers = 5.0, 0, []
     sent: list[float] = []
 
-    def complete(prompt, params, index, images):
+    def complete(prompt, params, images):
         sent.append(params.temperature)
         return Completion([7], [-0.1], "stop")
 
@@ -189,7 +189,7 @@ def test_http_engine_sends_a_request_temperature_in_its_body():
         [GenerationRequest([1, 2]), GenerationRequest([1, 2], temperature=1.7)], _params(0.6)
     )
     assert sorted(sent) == [0.6, 1.7]
-    engine._pool.shutdown()
+    engine._workers.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -280,7 +280,7 @@ def test_a_server_that_comes_back_serving_another_policy_stays_out(served, token
         sync.sync(policy, 1)
         proxy.mode = "weights"
         servers[0].host.update_weights(str(base), None)  # a restart: back on the base weights
-        engine._take_out(engine.servers[0], "restarted")
+        engine.pool.take_out(engine.servers[0], "restarted")
         deadline = time.monotonic() + 10
         while "came back serving" not in engine.servers[0].last_error:
             assert time.monotonic() < deadline, engine.servers[0].last_error

@@ -128,8 +128,12 @@ def warn_schedule_retimed(saved: Mapping[str, Any], now: Mapping[str, Any]) -> N
         log.warning(
             "train.steps: checkpoint=%s, now=%s with train.lr_schedule=%s: the LR decay is "
             "re-timed to end at step %s, so this run differs from one %s-step run",
-            old, new, schedule, new, new,
-        )  # fmt: skip
+            old,
+            new,
+            schedule,
+            new,
+            new,
+        )
 
 
 # Model config keys that say nothing about the weights' shape or meaning.

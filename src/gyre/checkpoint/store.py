@@ -253,9 +253,13 @@ class CheckpointStore:
                 replace_dir_atomically(stage, Path(self.path(name)))
             else:  # an object store: no timeout of its own, so a bounded call
                 call_with_deadline(
-                    lambda: self._upload(stage, name), "storage", "checkpoint upload",
-                    self.url_of(name), self.upload_timeout_s, "checkpoint.upload_timeout_s",
-                )  # fmt: skip
+                    lambda: self._upload(stage, name),
+                    "storage",
+                    "checkpoint upload",
+                    self.url_of(name),
+                    self.upload_timeout_s,
+                    "checkpoint.upload_timeout_s",
+                )
         except PeerFault:
             cleanup()  # a hung store is a storage fault (exit 69), not a failed write
             raise

@@ -166,9 +166,11 @@ def format_plan(preds: list[Prediction], nodes: int) -> str:
             f"{p.util_trainer:>6.0%} {p.idle_frac:>5.0%}"
         )
     best = preds[0]
-    split = "all nodes both roles" if best.mode == "colocated" else (
-        f"{best.rollout_nodes} rollout + {best.trainer_nodes} trainer nodes"
-    )  # fmt: skip
+    split = (
+        "all nodes both roles"
+        if best.mode == "colocated"
+        else (f"{best.rollout_nodes} rollout + {best.trainer_nodes} trainer nodes")
+    )
     lines.append(f"best over {nodes} nodes: {best.mode}, {split}: {best.step_s:.3f} s per step")
     return "\n".join(lines)
 
@@ -195,9 +197,13 @@ def run_plan(run_dir: str | None, nodes: int, given: dict[str, float], as_json: 
     preds = plan(tp, wl, nodes)
     if as_json:
         return json.dumps(
-            {"throughputs": asdict(tp), "workload": asdict(wl),
-             "predictions": [asdict(p) for p in preds]}, indent=1,
-        )  # fmt: skip
+            {
+                "throughputs": asdict(tp),
+                "workload": asdict(wl),
+                "predictions": [asdict(p) for p in preds],
+            },
+            indent=1,
+        )
     return format_plan(preds, nodes)
 
 

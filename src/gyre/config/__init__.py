@@ -22,31 +22,52 @@ from typing import Any
 
 _WHERE = {
     "gyre.config.base": [
-        "MAX_LR", "MIN_TEMPERATURE", "REDACTED", "SEED_LIMIT", "THREADS_PER_CORE", "ConfigError"
+        "MAX_LR",
+        "MIN_TEMPERATURE",
+        "REDACTED",
+        "SEED_LIMIT",
+        "THREADS_PER_CORE",
+        "ConfigError",
     ],
     "gyre.config.engine": ["EngineConfig", "PerfConfig"],
     "gyre.config.loading": [
-        "describe_fields", "dump_config", "load_config", "load_recipe", "recipe_path",
+        "describe_fields",
+        "dump_config",
+        "load_config",
+        "load_recipe",
+        "recipe_path",
         "resolve_run_dir",
     ],
     "gyre.config.ops": [
-        "CheckpointConfig", "EvalConfig", "FaultsConfig", "LogConfig", "TelemetryConfig"
+        "CheckpointConfig",
+        "EvalConfig",
+        "FaultsConfig",
+        "LogConfig",
+        "TelemetryConfig",
     ],
     "gyre.config.ray": ["RayConfig", "RoleResources"],
     "gyre.config.rewards": ["RewardConfig", "RewardFnConfig", "SandboxConfig"],
     "gyre.config.root": ["Config", "check_ray_config", "tasks_per_share"],
     "gyre.config.envs": ["BUILTIN_ENVS", "ENV_SECTIONS", "EnvConfig"],
     "gyre.config.run": [
-        "ArithmeticConfig", "DatasetConfig", "LoraConfig", "ModelConfig", "RolloutConfig",
+        "ArithmeticConfig",
+        "DatasetConfig",
+        "LoraConfig",
+        "ModelConfig",
+        "RolloutConfig",
         "RunConfig",
     ],
     "gyre.config.maze": ["MazeConfig"],
     "gyre.config.train": [
-        "AlgoConfig", "DapoConfig", "LevelReplayConfig", "SamplingConfig", "SFTConfig",
+        "AlgoConfig",
+        "DapoConfig",
+        "LevelReplayConfig",
+        "SamplingConfig",
+        "SFTConfig",
         "TrainConfig",
     ],
     "gyre.config.visual": ["MiniGridConfig", "VisualMazeConfig"],
-}  # fmt: skip
+}
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)

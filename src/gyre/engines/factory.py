@@ -10,22 +10,23 @@ import torch
 
 from gyre.config import Config, PerfConfig
 from gyre.engines.credentials import resolve_api_key
+from gyre.engines.engine_options import EngineOptions
 from gyre.engines.sync import WeightSync
 from gyre.engines.torch_engine import TorchEngine
 from gyre.models.vision import vision_of
 
 
-def torch_engine_options(perf: PerfConfig) -> dict[str, Any]:
-    """:class:`TorchEngine` keyword arguments of a run's ``perf:`` section (every in-process
-    engine of a run is built with them: the loop's, the Ray rollout workers', ``gyre eval``)."""
-    return {
-        "prefix_sharing": perf.prefix_sharing,
-        "compaction": perf.compaction,
-        "compact_min": perf.compact_min,
-        "compile_decode": perf.compile_decode,
-        "lean_forward": perf.engine_lean_forward,
-        "shared_prefix_attention": perf.shared_prefix_attention,
-    }
+def torch_engine_options(perf: PerfConfig) -> EngineOptions:
+    """:class:`TorchEngine` options of a run's ``perf:`` section (every in-process engine of a
+    run is built with them: the loop's, the Ray rollout workers', ``gyre eval``)."""
+    return EngineOptions(
+        prefix_sharing=perf.prefix_sharing,
+        compaction=perf.compaction,
+        compact_min=perf.compact_min,
+        compile_decode=perf.compile_decode,
+        lean_forward=perf.engine_lean_forward,
+        shared_prefix_attention=perf.shared_prefix_attention,
+    )
 
 
 def run_torch_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
@@ -37,7 +38,7 @@ def run_torch_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> Tor
         tokenizer.pad_token_id,
         seed=cfg.run.seed,
         vision=vision_of(tokenizer),
-        **torch_engine_options(cfg.perf),
+        options=torch_engine_options(cfg.perf),
     )
 
 
@@ -64,18 +65,16 @@ def build_engine(
         policy = model if e.weight_sync == "shared" else engine_copy(model)
         engine: Any = run_torch_engine(cfg, policy, tokenizer)
     else:
-        from gyre.engines.http_engine import HttpEngine
+        from gyre.engines.http_engine import HttpEngine, HttpSettings
 
-        engine = HttpEngine(
-            e.urls,
+        settings = HttpSettings(
             api_key=resolve_api_key(e),
-            model=e.model,
             timeout_s=e.timeout_s,
             max_retries=e.max_retries,
             health_interval_s=e.health_interval_s,
             max_concurrency=e.max_concurrency,
-            api=e.api,
         )
+        engine = HttpEngine(e.urls, model=e.model, api=e.api, settings=settings)
     sync_dir = Path(e.sync_dir) if e.sync_dir else run_dir / "sync"
     lora = cfg.model.lora is not None
     return engine, WeightSync(e, engine, tokenizer, sync_dir, lora, seed=cfg.run.seed)

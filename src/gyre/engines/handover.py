@@ -39,9 +39,9 @@ def _post_all(engine: HttpEngine, route: str, body: Any) -> int:
         if not s.alive:
             continue
         try:
-            r = engine._client.post(f"{s.url}{route}", json=body)
-        except engine._httpx.TransportError as exc:
-            engine._take_out(s, f"{route}: {exc!r}")
+            r = engine.pool.client.post(f"{s.url}{route}", json=body)
+        except engine.pool.httpx.TransportError as exc:
+            engine.pool.take_out(s, f"{route}: {exc!r}")
             continue
         if r.status_code != 200:
             raise ServerError(f"{s.url}{route} answered {r.status_code}: {r.text[:300]}")

@@ -72,10 +72,13 @@ def prompt_table(model: torch.nn.Module, ids: list[int], k: int) -> list[PromptT
     ranks = (logp > lp).sum(dim=1) + 1
     top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     return [
-        PromptToken(float(lp[j, 0]), int(ranks[j]),
-                    list(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True)))
+        PromptToken(
+            float(lp[j, 0]),
+            int(ranks[j]),
+            list(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True)),
+        )
         for j in range(len(ids) - 1)
-    ]  # fmt: skip
+    ]
 
 
 def model_prompt_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
@@ -95,8 +98,14 @@ def openai_probe_body(ids: list[int], model: str) -> dict[str, Any]:
     """vLLM's completions request for the prompt's log-probs (one token is generated: vLLM
     needs ``max_tokens >= 1``). Temperature 1 and top-p 1, so that a server reporting
     processed log-probs (vLLM's ``--logprobs-mode processed_logprobs``) reports raw ones."""
-    return {"model": model, "prompt": list(ids), "max_tokens": 1, "temperature": 1.0,
-            "top_p": 1.0, "prompt_logprobs": 0}  # fmt: skip
+    return {
+        "model": model,
+        "prompt": list(ids),
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "prompt_logprobs": 0,
+    }
 
 
 def parse_openai_prompt_logprobs(data: dict[str, Any], ids: list[int]) -> list[float]:
@@ -196,8 +205,11 @@ class SyncVerifier:
         self.reference = (version, want)
         if hasattr(self.engine, "probe"):  # an HTTP server that comes back is checked too
             self.engine.probe = (self.ids, want, self.tolerance)
-        return {"sync/verify_gap": worst, "sync/verify_s": time.perf_counter() - t0,
-                "sync/verified_engines": float(len(got))}  # fmt: skip
+        return {
+            "sync/verify_gap": worst,
+            "sync/verify_s": time.perf_counter() - t0,
+            "sync/verified_engines": float(len(got)),
+        }
 
     def judge(self, name: str, version: int, gap: float, lp: list[float]) -> None:
         """Raise :class:`SyncNotApplied` when engine ``name``'s probe log-probs ``lp``, ``gap``

@@ -368,8 +368,9 @@ class LeanForward:
         ckpt = cache is None and torch.is_grad_enabled() and checkpointed(self.model)
         for li, params in enumerate(self._layers()):
             if ckpt:
-                x = checkpoint(self._plain_layer, x, li, params, cos, sin, mask, fuse,
-                               use_reentrant=False)  # fmt: skip
+                x = checkpoint(
+                    self._plain_layer, x, li, params, cos, sin, mask, fuse, use_reentrant=False
+                )
                 continue
             if cache is None:
                 x = self._plain_layer(x, li, params, cos, sin, mask, fuse)

@@ -246,8 +246,13 @@ class _Worker:
         try:
             self.proc.wait(timeout=_SPAWN_S)  # SIGKILLed: only a kernel-stuck process stays
         except subprocess.TimeoutExpired:
-            raise PeerFault("reward worker", "killing a worker", f"pid {self.proc.pid}",
-                            _SPAWN_S, "reward.sandbox.timeout_s") from None  # fmt: skip
+            raise PeerFault(
+                "reward worker",
+                "killing a worker",
+                f"pid {self.proc.pid}",
+                _SPAWN_S,
+                "reward.sandbox.timeout_s",
+            ) from None
         for f in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(Exception):
                 f.close()  # type: ignore[union-attr]
@@ -378,8 +383,9 @@ class SandboxPool:
         try:
             return list(self._executor.map(self._run_one, requests, timeout=bound))
         except TimeoutError:
-            raise PeerFault("reward worker", "reward", "the sandbox pool", bound,
-                            "reward.sandbox.timeout_s") from None  # fmt: skip
+            raise PeerFault(
+                "reward worker", "reward", "the sandbox pool", bound, "reward.sandbox.timeout_s"
+            ) from None
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -168,11 +168,15 @@ class ShareScheduler:
             self.filtered -= len(batch)
             self.finalized -= len(batch)
         n_exam = len(self.examined)
-        self.last_batch = {
-            "rollout/frac_groups_dropped": (n_exam - len(self.partial)) / max(n_exam, 1),
-            "rollout/sampling_rounds": float(-(-n_exam // self.tasks_per_step)),
-            "rollout/groups_kept": float(len(self.partial)),
-        } if keep is not None else {}  # fmt: skip
+        self.last_batch = (
+            {
+                "rollout/frac_groups_dropped": (n_exam - len(self.partial)) / max(n_exam, 1),
+                "rollout/sampling_rounds": float(-(-n_exam // self.tasks_per_step)),
+                "rollout/groups_kept": float(len(self.partial)),
+            }
+            if keep is not None
+            else {}
+        )
         self.finalized += len(batch)
         self.partial, self.examined = [], []
         return batch, dropped

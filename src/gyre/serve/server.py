@@ -33,7 +33,6 @@ folder's manifest and refuse non-finite tensors (:mod:`gyre.serve.host`). It bin
 
 import argparse
 import gc
-import hmac
 import ipaddress
 import os
 import sys
@@ -42,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from gyre.models.build import resolve_device
+from gyre.serve.guards import BodyLimit, install_error_handlers, parse_body, require_key
 from gyre.serve.host import Batcher, ModelHost
 from gyre.serve.images import chat_ids, generate_ids
 from gyre.serve.prompt_logprobs import sglang_input_logprobs, vllm_prompt_logprobs
@@ -65,13 +65,11 @@ from gyre.serve.requests import (
     UnloadLoraBody,
     UpdateWeightsBody,
     chat_answer,
-    check_containers,
     completion_answer,
     generate_answer,
     prompts_of,
     requests_of,
     sampling_params,
-    validation_message,
 )
 from gyre.types import GenerationRequest, SamplingParams
 
@@ -87,128 +85,6 @@ def _require_serve_extra() -> None:
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise ImportError("gyre serve needs its extra: pip install 'gyre[serve]'") from exc
-
-
-def _error(status: int, message: str, param: str | None = None) -> Any:
-    from fastapi.responses import JSONResponse
-
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        405: "MethodNotAllowedError",
-        413: "RequestTooLargeError",
-    }
-    error = {"message": message, "type": kind.get(status, "ServerError"), "param": param}
-    return JSONResponse(status_code=status, content={"error": {**error, "code": status}})
-
-
-class BodyLimit:
-    """ASGI middleware: a body over ``max_bytes`` is answered 413 without being read in full.
-
-    A declared ``Content-Length`` over the limit is refused before any of the body is read; a
-    chunked body is counted as it arrives and refused as soon as it passes the limit. A body
-    within the limit is buffered (at most ``max_bytes``) and replayed to the app.
-    """
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:
-            try:
-                too_big = int(declared) > self.max_bytes
-            except ValueError:
-                await _error(400, "invalid Content-Length header")(scope, receive, send)
-                return
-            if too_big:
-                await self._refuse(scope, receive, send)
-                return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
-        msg = (
-            f"request body is larger than this server's limit of {self.max_bytes} bytes "
-            "(gyre serve --max-body-mb)"
-        )
-        await _error(413, msg)(scope, receive, send)
-
-
-def _install_error_handlers(app: Any) -> None:
-    from fastapi import Request
-    from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> Any:
-        return _error(exc.status, exc.message, exc.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> Any:
-        return _error(400, *validation_message(list(exc.errors())))
-
-    @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> Any:  # unknown route, wrong method
-        return _error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> Any:
-        route = f"{request.method} {request.url.path}"
-        return _error(500, f"internal error in {route}: {type(exc).__name__}: {exc}")
-
-
-def _auth(api_key: str) -> list[Any]:
-    from fastapi import Depends, Request
-
-    want = f"Bearer {api_key}".encode()
-
-    async def check_key(request: Request) -> None:
-        if not api_key:
-            return
-        got = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(got, want):
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)")
-
-    return [Depends(check_key)]
-
-
-def _validate(cls: type[BaseModel], raw: bytes) -> Any:
-    check_containers(raw)
-    try:
-        return cls.model_validate_json(raw)
-    except ValidationError as exc:
-        raise ApiError(400, *validation_message(list(exc.errors(include_url=False)))) from None
-
-
-async def _parse(request: Any, cls: type[BaseModel], batcher: Batcher) -> Any:
-    """The request body as ``cls``, validated on the preparation thread."""
-    return await batcher.run_in_prep(_validate, cls, await request.body())
 
 
 def _info_routes(app: Any, host: ModelHost, batcher: Batcher, auth: list[Any]) -> None:
@@ -249,13 +125,13 @@ def _weight_routes(app: Any, host: ModelHost, batcher: Batcher, auth: list[Any])
 
     @app.post("/v1/load_lora_adapter", dependencies=auth)
     async def load_lora(request: Request) -> Any:
-        body = await _parse(request, LoadLoraBody, batcher)
+        body = await parse_body(request, LoadLoraBody, batcher)
         await batcher.run_in_engine(host.load_lora, body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", dependencies=auth)
     async def unload_lora(request: Request) -> Any:
-        body = await _parse(request, UnloadLoraBody, batcher)
+        body = await parse_body(request, UnloadLoraBody, batcher)
         await batcher.run_in_engine(host.unload_lora, body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
@@ -269,7 +145,7 @@ def _weight_routes(app: Any, host: ModelHost, batcher: Batcher, auth: list[Any])
 
     @app.post("/load_lora_adapter", dependencies=auth)
     async def load_lora_sglang(request: Request) -> Any:
-        body = await _parse(request, LoadLoraBody, batcher)
+        body = await parse_body(request, LoadLoraBody, batcher)
         ok, out = await sglang("error_message", host.load_lora, body.lora_name, body.lora_path)
         if not ok:
             return out
@@ -277,7 +153,7 @@ def _weight_routes(app: Any, host: ModelHost, batcher: Batcher, auth: list[Any])
 
     @app.post("/unload_lora_adapter", dependencies=auth)
     async def unload_lora_sglang(request: Request) -> Any:
-        body = await _parse(request, UnloadLoraBody, batcher)
+        body = await parse_body(request, UnloadLoraBody, batcher)
         ok, out = await sglang("error_message", host.unload_lora, body.lora_name)
         if not ok:
             return out
@@ -285,7 +161,7 @@ def _weight_routes(app: Any, host: ModelHost, batcher: Batcher, auth: list[Any])
 
     @app.post("/update_weights_from_disk", dependencies=auth)
     async def update_weights(request: Request) -> Any:
-        body = await _parse(request, UpdateWeightsBody, batcher)
+        body = await parse_body(request, UpdateWeightsBody, batcher)
         args = (body.model_path, body.weight_version)
         ok, out = await sglang("message", host.update_weights, *args)
         if not ok:
@@ -346,7 +222,7 @@ def _generation_routes(
     from fastapi import Request
 
     async def run(request: Request, cls: type[BaseModel], prepare: Any) -> tuple[Any, ...]:
-        body = await _parse(request, cls, batcher)
+        body = await parse_body(request, cls, batcher)
         model, reqs, params = await batcher.run_in_prep(prepare, host, body)
         return body, model, reqs, await batcher.submit(model, reqs, params)
 
@@ -365,7 +241,7 @@ def _generation_routes(
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request) -> Any:
-        body = await _parse(request, ChatBody, batcher)
+        body = await parse_body(request, ChatBody, batcher)
         session = None if recorder is None else session_of(request.headers, body)
         if recorder is not None and session is not None:  # --record: docs/envs.md
             return await recorded_chat(host, batcher, recorder, session, body)
@@ -421,8 +297,8 @@ def create_app(
     app = FastAPI(title="gyre serve", lifespan=lifespan)
     app.state.batcher = batcher
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    _install_error_handlers(app)
-    auth = _auth(api_key)
+    install_error_handlers(app)
+    auth = require_key(api_key)
     _info_routes(app, host, batcher, auth)
     _weight_routes(app, host, batcher, auth)
     add_memory_routes(app, host, batcher, auth)  # sleep / wake: serve/memory.py

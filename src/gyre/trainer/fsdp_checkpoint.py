@@ -141,6 +141,14 @@ def save_gathered(
     mirror.load_state_dict(full)
     extra = trainer.value_model.save if trainer.value_model is not None else None
     return ckpt.save(
-        "grpo", step, mirror, trainer.tokenizer, _Gathered(_indexed(optim)), state, metrics_path,
-        trainer.scheduler, generators, extra=extra,
-    )  # fmt: skip
+        "grpo",
+        step,
+        mirror,
+        trainer.tokenizer,
+        _Gathered(_indexed(optim)),
+        state,
+        metrics_path,
+        trainer.scheduler,
+        generators,
+        extra=extra,
+    )
