@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from gyre.trainer.fsdp_checkpoint import ShardedOptimizerLoad, _indexed, _named, _optimizer_names
+from gyre.trainer.fsdp_checkpoint import (
+    ShardedOptimizerLoad,
+    _indexed,
+    _named,
+    _optimizer_names,
+    gather,
+)
 
 
 def _stepped(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -60,3 +66,16 @@ def test_a_mismatched_optimizer_file_is_one_line():
         assert "holds 2 parameters; this model trains 3" in str(exc)
     else:
         raise AssertionError("not refused")
+
+
+def test_a_gathered_state_is_a_snapshot_that_later_steps_leave_alone():
+    model, opt = _stepped(0)
+    full, named = gather(model, opt)  # no process group: one process, nothing sharded
+    before = {n: {k: v.clone() for k, v in s.items()} for n, s in named["state"].items()}
+    weights = {k: v.clone() for k, v in full.items()}
+    model(torch.randn(5, 4)).square().sum().backward()
+    opt.step()  # AdamW increments its step counters in place
+    for n, s in named["state"].items():
+        assert all(torch.equal(v, before[n][k]) for k, v in s.items()), n
+    assert all(torch.equal(full[k], weights[k]) for k in weights)
+    assert opt.state_dict()["state"][0]["step"].item() == 3 and before["0.weight"]["step"] == 2

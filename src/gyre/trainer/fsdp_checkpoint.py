@@ -101,7 +101,7 @@ def gather(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Collective: the whole model (and optimizer, name-keyed) on rank 0's CPU; empty on the
-    other ranks."""
+    other ranks. A snapshot: no tensor in it is the live state's, so later updates leave it."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -109,9 +109,44 @@ def gather(
     )
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    live = _storages(model.state_dict())
     if optimizer is None:
-        return get_model_state_dict(model, options=opts), {}
-    return get_state_dict(model, optimizer, options=opts)
+        return _owned(get_model_state_dict(model, options=opts), live), {}
+    live |= _storages(optimizer.state)
+    full, optim = get_state_dict(model, optimizer, options=opts)
+    return _owned(full, live), _owned(optim, live)
+
+
+def _storages(tree: Any) -> set[int]:
+    """The storage addresses of every tensor in ``tree`` (a DTensor's: its local shard's)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return _storages(tree.to_local())
+    if isinstance(tree, torch.Tensor):
+        return {tree.untyped_storage().data_ptr()} if tree.numel() else set()
+    if isinstance(tree, Mapping):
+        return set().union(*(_storages(v) for v in tree.values()))
+    if isinstance(tree, list | tuple):
+        return set().union(*(_storages(v) for v in tree))
+    return set()
+
+
+def _owned(tree: Any, live: set[int]) -> Any:
+    """``tree`` with a copy of every tensor that shares storage with the live state.
+
+    The gather copies what is sharded, but a tensor that is not a DTensor and already on the CPU
+    comes back as the live tensor itself: AdamW's ``step`` counter above all, which the next
+    ``optimizer.step()`` increments in place. Without the copy, a gathered state taken at step
+    N reads N + 1 one update later."""
+    if isinstance(tree, torch.Tensor):
+        shared = tree.numel() and tree.untyped_storage().data_ptr() in live
+        return tree.clone() if shared else tree
+    if isinstance(tree, dict):
+        return {k: _owned(v, live) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_owned(v, live) for v in tree]
+    return tree
 
 
 def gathered_model(trainer: Any) -> torch.nn.Module | None:
