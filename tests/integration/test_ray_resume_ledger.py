@@ -46,6 +46,7 @@ BASE = [
     "ray.num_cpus=2", "ray.tasks_per_share=2",
 ]  # fmt: skip
 ASYNC = ["ray.mode=async", "ray.async_ahead=2", "ray.max_staleness=1"]
+NO_START_RETRIES = 5  # launches whose Ray did not start (a starved machine) run again, this often
 
 
 def _launch(run: Path, extra: list[str], log: Path) -> subprocess.Popen:
@@ -82,6 +83,7 @@ def _run_with_kills(run: Path, extra: list[str], kills: int, seed: int) -> list[
     rng = random.Random(seed)
     log = run.parent / f"{run.name}.log"
     done_kills: list[int] = []
+    no_start = 0
     while True:
         since = time.time()
         proc = _launch(run, extra, log)
@@ -98,8 +100,9 @@ def _run_with_kills(run: Path, extra: list[str], kills: int, seed: int) -> list[
                 done_kills.append(target)
                 continue
         rc = proc.wait(timeout=3600)
-        if rc == 69 and _ray_did_not_start(log):
-            continue  # Ray's own 30 s start-up wait ran out on a starved machine: no run began
+        if rc == 69 and _ray_did_not_start(log) and no_start < NO_START_RETRIES:
+            no_start += 1  # Ray's own 30 s raylet wait (not configurable) ran out on a starved
+            continue  # machine: no run began; bounded, so a Ray that never starts still fails
         assert rc == 0, log.read_text()[-3000:]
         return done_kills
 
