@@ -65,3 +65,36 @@ def test_a_wedged_rollout_actor_ends_the_run_as_a_named_worker_fault(tmp_path, c
     assert "(faults.call_timeout_s=20)" in line
     assert "waiting for rollout on rollout workers 0: 5 s of 20 s" in caplog.text  # heartbeat
     assert took < 20 + 120  # the deadline plus start-up and shutdown
+
+
+def test_a_rank_that_never_reaches_the_update_collective_is_named(tmp_path, capsys):
+    """Two trainer ranks; rank 1 never reaches the update of step 1 (``GYRE_FAULT`` pauses it
+    before the update, as a wedged rank would). Rank 0's gradient all-reduce gives up after the
+    process group's timeout (``faults.startup_timeout_s``); the driver sees rank 1's call still
+    running and stops the run as a collective fault naming rank 1, exit 69, long before
+    ``faults.call_timeout_s``."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    marker = tmp_path / "wedged"
+    os.environ["GYRE_FAULT"] = f"trainer.update.rank1:pause=3600:{marker}"
+    timeout_s = 60  # also the rendezvous's: room for two ranks starting on a loaded machine
+    try:
+        t0 = time.monotonic()
+        short = tempfile.mkdtemp(prefix="gyr")  # Ray's socket paths must stay short
+        rc = main(["train", *TINY, f"run.dir={tmp_path / 'run'}", f"ray.temp_dir={short}",
+                   "ray.trainer_ranks=2", f"faults.startup_timeout_s={timeout_s}",
+                   "faults.call_timeout_s=3600"])  # fmt: skip
+        took = time.monotonic() - t0
+    finally:
+        del os.environ["GYRE_FAULT"]
+        if ray.is_initialized():
+            ray.shutdown()
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("gyre:")][-1]
+    assert rc == 69, err[-2000:]
+    assert marker.exists()  # rank 1 did reach the update and stop short of it
+    assert line.startswith(
+        "gyre: collective fault: update of step 1: no answer from trainer rank 1 for "
+        f"{timeout_s} s (faults.startup_timeout_s={timeout_s}): rank 0 timed out in a "
+        "collective that rank 1 never reached"
+    ), line
+    assert took < timeout_s + 240  # the deadline plus start-up and shutdown, not the hour
