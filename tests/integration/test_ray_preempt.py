@@ -30,7 +30,7 @@ def _cmd(run_dir: Path, tmp: Path, *extra: str) -> list[str]:
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4",
         "model.intermediate_size=64", "sft.steps=0", f"train.steps={STEPS}",
         f"train.tasks_per_step={TASKS}", f"train.group_size={GROUP}", "eval.episodes=0",
-        "checkpoint.every=0", "log.console=off", *extra,
+        "checkpoint.every=0", "log.console=off", "train.level_replay.prob=0", *extra,
     ]  # fmt: skip
 
 
