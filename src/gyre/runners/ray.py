@@ -250,6 +250,14 @@ class RayPlacement:
         self.pool.publish(weights, self.pool.version, wait=True)
         return sent
 
+    def _republish_weights(self) -> None:
+        """The weights the workers were to load were lost with their node: gather them again
+        (a rank lost with it: a trainer restart from the newest checkpoint, RolledBack)."""
+        try:
+            self._sync_weights()
+        except TrainerGroupFailed as exc:
+            self._restart_trainers(exc)
+
     # -- phases 1-2: shares to idle workers, finished groups into a batch ---------------------
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
         """The next batch of fresh groups (with DAPO dynamic sampling: with reward variance),
@@ -265,6 +273,8 @@ class RayPlacement:
                 t0 = time.perf_counter()
                 self.pool.collect()
                 self.wait_s += time.perf_counter() - t0
+                if self.pool.weights_lost:
+                    self._republish_weights()
                 continue
             batch, dropped = got
             if batch:

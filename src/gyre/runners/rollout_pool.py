@@ -40,6 +40,9 @@ class RolloutPool:
         self.version = 0
         self.epoch = 0  # bumped on a trainer restart: in-flight work of older epochs is ignored
         self.pending: dict[Any, tuple[int, int, int]] = {}  # ref -> (worker, share, epoch)
+        # a share found the weights it was to load gone with their node: until the placement
+        # publishes them again, every reissued share would fail on the same lost object
+        self.weights_lost = False
         self.acc = dict.fromkeys(ACC, 0.0)
         self.sched: ShareScheduler  # set by the placement's restore
         self.workers = [self._new_worker(i) for i in range(n)]
@@ -82,7 +85,7 @@ class RolloutPool:
     def publish(self, weights: Any, version: int, wait: bool) -> None:
         """Make ``weights`` (an object-store reference) the policy the workers follow; with
         ``wait``, every worker loads it now (replacing one that died)."""
-        self.weights_ref, self.version = weights, version
+        self.weights_ref, self.version, self.weights_lost = weights, version, False
         if not wait:  # the weights ride on the next rollout and evaluate calls
             return
         loads = {i: w.load_weights.remote(weights, version) for i, w in enumerate(self.workers)}
@@ -138,8 +141,8 @@ class RolloutPool:
             except (*DIED, LOST) as exc:
                 if not isinstance(exc, LOST):
                     self.replace(i, exc)
-                # else: the weights it was to load lived on a lost node (a trainer node): the
-                # worker is fine, and the share is reissued with the current weights
+                else:  # the weights it was to load lived on a lost node (a trainer node): the
+                    self.weights_lost = True  # worker is fine; the placement republishes them
                 if epoch == self.epoch:
                     self.site.counters["recovery/reissued_shares"] += 1
                     self.sched.reissue(s)
