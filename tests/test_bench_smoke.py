@@ -178,6 +178,16 @@ def test_agent_bench_quick() -> None:
     assert report["ratio_message_vs_raw"] > 0 and report["ratio_message_vs_hf_naive"] > 0
 
 
+def test_agent_bench_maze_quick() -> None:
+    args = ("--quick", "--env", "maze", "--sides", "message,hf_naive")
+    report = _last_json(AGENT, *args, timeout=300)
+    assert report["args"]["env"] == "maze" and "raw" not in report
+    for side in ("message", "hf_naive"):
+        # E=2 x G=2 conversations; a maze episode lasts until the goal or its move budget
+        assert report[side]["turns"] >= 4 and report[side]["generated_tokens"] > 0, side
+    assert report["ratio_message_vs_hf_naive"] > 0
+
+
 def test_roofline_bench_quick() -> None:
     report = _last_json(BENCH.parent / "roofline.py", "--quick", timeout=300)
     assert report["bench"] == "roofline" and report["matmul_gflop_s"] > 0
