@@ -108,12 +108,6 @@ def test_topk_logprobs_of_samples_and_of_a_prompt_suffix(client):
             assert len(row) == 2 and row[0][1] >= row[1][1] and lp <= row[0][1] + 1e-5
             if token in dict(row):
                 assert dict(row)[token] == pytest.approx(lp, abs=1e-5)
-    with pytest.raises(Exception, match="top_k"):
-        sampler.sample(
-            types.ModelInput.from_ints(prompt),
-            num_samples=1,
-            sampling_params=types.SamplingParams(max_tokens=2, top_k=5),
-        ).result()
     with pytest.raises(Exception, match="prompt_logprobs_last_n"):
         sampler.compute_logprobs(
             types.ModelInput.from_ints(prompt), prompt_logprobs_last_n=len(prompt)
@@ -152,3 +146,41 @@ def test_a_base_model_named_by_its_hub_id_loads_from_the_offline_cache(tmp_path,
     cfg = TinkerServeConfig(model_path="acme/absent", state_dir=str(tmp_path / "s2"))
     with pytest.raises(InputError, match=r"model_path 'acme/absent'.*HF_HUB_OFFLINE=1"):
         build_service(cfg)
+
+
+def test_top_k_sampling(client):
+    sampler = client.create_sampling_client(base_model=_base(client)).result()
+    tok = sampler.get_tokenizer()
+    prompt = types.ModelInput.from_ints(tok.encode("hello there", add_special_tokens=False))
+
+    def sample(seed: int, **params) -> types.SampleResponse:
+        sp = types.SamplingParams(max_tokens=6, seed=seed, stop=[], **params)
+        return sampler.sample(prompt, 4, sp, topk_sample_logprobs=3).result()
+
+    greedy = sample(0, temperature=0.0).sequences[0]
+    for seq in sample(1, top_k=1).sequences:
+        assert seq.tokens == greedy.tokens and seq.logprobs == [0.0] * 6
+    res = sample(2, top_k=3, temperature=1.5)
+    assert [s.tokens for s in res.sequences] == [
+        s.tokens for s in sample(2, top_k=3, temperature=1.5).sequences
+    ]
+    assert len({tuple(s.tokens) for s in res.sequences}) > 1
+    n = prompt.length
+    for seq in res.sequences:
+        # the untempered model's 3 most likely tokens at each sampled position (temperature
+        # keeps the order, so they are the 3 the draw was restricted to)
+        scored = sampler.sample(
+            types.ModelInput.from_ints([*prompt.to_ints(), *seq.tokens]),
+            1,
+            types.SamplingParams(max_tokens=1),
+            topk_prompt_logprobs=3,
+        ).result()
+        for t, (token, lp, row) in enumerate(
+            zip(seq.tokens, seq.logprobs, seq.topk_logprobs, strict=True)
+        ):
+            assert token in {i for i, _ in scored.topk_prompt_logprobs[n + t]}
+            # the reported logprobs are of the truncated, renormalised distribution
+            assert sum(np.exp(v) for _, v in row) == pytest.approx(1.0, abs=1e-5)
+            assert dict(row)[token] == pytest.approx(lp, abs=1e-5)
+    with pytest.raises(Exception, match=r"sampling_params\.top_k"):
+        sample(0, top_k=-2)
