@@ -199,3 +199,18 @@ def test_roofline_bench_quick() -> None:
     assert dec["rows"] == 8 and dec["step_ms"] > 0 and dec["bound"] in ("compute", "memory")
     assert 0 < dec["of_bound"] and 0 < upd["of_matmul_rate"]
     assert upd["flop"] > upd["attention_flop"] > 0
+
+
+def test_the_ray_benches_overrides_make_a_ray_config() -> None:
+    """bench/async.py and bench/plan_calibrate.py run ``gyre train`` with no config file (the
+    maze recipe, as the command line resolves it) under ``runner=ray``."""
+    sys.path.insert(0, str(BENCH.parent))
+    from async_common import bench_overrides
+    from gyre.config import load_config
+    from gyre.config.loading import default_config_path
+
+    overrides = [*bench_overrides(0), "runner=ray", "ray.mode=one-step-off"]
+    path = default_config_path(overrides)
+    assert path is not None and path.name == "maze.yaml"
+    cfg = load_config(path, overrides)
+    assert cfg.runner == "ray" and cfg.train.level_replay.prob == 0
