@@ -211,7 +211,8 @@ class TinkerService:
             return encode_forward_backward_output(outputs, metrics)
 
         kind = "forward" if call.forward_only else "forward_backward"
-        return self.futures.submit(run, f"{kind} {len(call.data)} datums")
+        tokens = sum(len(d.tokens) for d in call.data)
+        return self.futures.submit(run, f"{kind} {len(call.data)} datums, {tokens} tokens")
 
     def optim_step(self, body: dict[str, Any]) -> str:
         tenant = self.tenant(body.get("model_id"))
@@ -333,7 +334,10 @@ class TinkerService:
             done = compute.sample_batch(
                 module, context, self.host.tokenizer, jobs, self.cfg.sample_max_rows
             )
-            return [encode_sample_response(seqs, ps.logprobs, ps.topk) for seqs, ps in done]
+            return [
+                encode_sample_response(seqs, ps.logprobs, ps.topk, ps.targets, ps.alt)
+                for seqs, ps in done
+            ]
 
         key = ("sample", str(folder), job.params, job.stop_texts)
         rid = self.futures.submit_batchable(key, job, run, "sample")
