@@ -93,8 +93,14 @@ def connect_ray(cfg: Config) -> bool:
         raise  # a bad address or missing package: the user's to fix, said as it is
     except Exception as exc:  # a raylet or GCS that did not start in time: a bare Exception
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PeerFault("worker", "Ray start-up", f"the Ray cluster at {address}",
-                        time.monotonic() - t0, "ray.address", first) from exc  # fmt: skip
+        raise PeerFault(
+            "worker",
+            "Ray start-up",
+            f"the Ray cluster at {address}",
+            waited_s=time.monotonic() - t0,
+            key="ray.address",
+            detail=first,
+        ) from exc
     return True
 
 
@@ -131,9 +137,14 @@ class RayPlacement:
             )
 
     def start(
-        self, run_dir: Path, policy: Path, ref: Path, plan: ResumePlan, out: Telemetry,
+        self,
+        run_dir: Path,
+        policy: Path,
+        ref: Path,
+        plan: ResumePlan,
+        out: Telemetry,
         ckpt: Checkpointer,
-    ) -> None:  # fmt: skip
+    ) -> None:
         cfg = self.cfg
         cfg.run.dir = str(run_dir.resolve())  # actors on other nodes need an absolute path
         torch.set_num_threads(1)  # the driver only schedules (SFT, if any, ran before)
@@ -174,10 +185,17 @@ class RayPlacement:
         first = finalized // self.share_size
         dapo = self.cfg.train.dapo
         return ShareScheduler(
-            self.cfg.train.tasks_per_step, self.share_size, self.ahead, self.cfg.ray.max_staleness,
-            next_share=first, consumed_share=first, finalized=finalized, dropped=dropped,
-            filtered=filtered, max_rounds=dapo.max_rounds if dapo.dynamic_sampling else 0,
-        )  # fmt: skip
+            tasks_per_step=self.cfg.train.tasks_per_step,
+            tasks_per_share=self.share_size,
+            ahead=self.ahead,
+            max_staleness=self.cfg.ray.max_staleness,
+            next_share=first,
+            consumed_share=first,
+            finalized=finalized,
+            dropped=dropped,
+            filtered=filtered,
+            max_rounds=dapo.max_rounds if dapo.dynamic_sampling else 0,
+        )
 
     def _restore(self, checkpoint: Path | None) -> dict[str, Any]:
         """(Re)build the trainer group from ``checkpoint`` (None: the initial policy) and put
