@@ -26,6 +26,13 @@ Run::
     python bench/agent.py            # E=4, G=4, 16 new tokens, 2 follow-ups, 3 repeats
     python bench/agent.py --quick    # smoke test, a few seconds
     python bench/agent.py --model DIR --max-new-tokens 64 --repeats 2   # a real model
+    python bench/agent.py --model DIR --env maze --max-new-tokens 4      # long conversations
+
+``--env maze`` plays the mazes of ``examples/smollm2-maze`` (``env.name=maze_chat``: a system
+message with the rules, a user message per observation, one move per reply) with the whole
+conversation kept, as a chat agent does: an episode runs until the maze's move budget is spent
+or the goal is reached, so conversations grow to tens of turns, and the naive loop re-renders
+and re-prefills all of it every turn.
 """
 
 from __future__ import annotations
@@ -46,7 +53,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the locally built chat tokenizer and message env
 
 from chat_helpers import AddEnv, build_chat_tokenizer  # noqa: E402
+from gyre.config.maze import MAZE_CHAT_SYSTEM  # noqa: E402
 from gyre.engines import TorchEngine  # noqa: E402
+from gyre.envs.maze import MazeEnv  # noqa: E402
+from gyre.envs.maze_chat import MazeChatEnv  # noqa: E402
 from gyre.rollout.chat import ChatMode, ChatTemplate  # noqa: E402
 from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids  # noqa: E402
 from gyre.rollout.tools import HermesParser, Toolbox, ToolEnv, calculator_tool  # noqa: E402
@@ -67,6 +77,17 @@ class RawAddEnv:
         return "".join(m["content"] + "\n" for m in msgs), r, done, info
 
 
+def _maze() -> MazeEnv:
+    """The mazes of examples/smollm2-maze (5x5, the exits observation, a view of 2)."""
+    return MazeEnv(size=5, observation="exits", view=2, demonstrator="careful")
+
+
+def _message_env(args: argparse.Namespace, box: Toolbox) -> Any:
+    if args.env == "maze":
+        return MazeChatEnv(_maze(), MAZE_CHAT_SYSTEM)
+    return ToolEnv(AddEnv(args.follow_ups), box)
+
+
 def _model(tok: Any, hidden: int, layers: int) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -79,17 +100,22 @@ def _model(tok: Any, hidden: int, layers: int) -> torch.nn.Module:
     return Qwen2ForCausalLM(cfg).eval()
 
 
+def _max_turns(args: argparse.Namespace) -> int:
+    return 64 if args.env == "maze" else args.follow_ups + 4  # the maze ends itself (budget)
+
+
 def run_gyre(args: argparse.Namespace, engine: TorchEngine, tok: Any, mode: str) -> dict:
     seeds = list(range(args.tasks))
     stats = RolloutStats()
     if mode == "message":
         box = Toolbox({"calculator": calculator_tool()}, HermesParser())
-        chat = ChatMode(ChatTemplate(tok, box.schemas), max_turns=args.follow_ups + 4)
-        make_env: Any = lambda: ToolEnv(AddEnv(args.follow_ups), box)  # noqa: E731
+        schemas = box.schemas if args.env == "add" else None
+        chat = ChatMode(ChatTemplate(tok, schemas), max_turns=_max_turns(args))
+        make_env: Any = lambda: _message_env(args, box)  # noqa: E731
         stops = chat.template.stop_ids()
     else:
         chat, stops = None, stop_ids(tok)
-        make_env = lambda: RawAddEnv(args.follow_ups)  # noqa: E731
+        make_env = (lambda: _maze()) if args.env == "maze" else (lambda: RawAddEnv(args.follow_ups))
     params = SamplingParams(1.0, 1.0, args.max_new_tokens, stops, seed=args.seed)
     t0 = time.perf_counter()
     trajs = run_episodes(make_env, engine, tok, seeds, args.group, params, stats, chat=chat)
@@ -100,8 +126,8 @@ def run_gyre(args: argparse.Namespace, engine: TorchEngine, tok: Any, mode: str)
 @torch.no_grad()
 def run_hf_naive(args: argparse.Namespace, model: torch.nn.Module, tok: Any) -> dict:
     box = Toolbox({"calculator": calculator_tool()}, HermesParser())
-    tpl = ChatTemplate(tok, box.schemas)
-    envs = [ToolEnv(AddEnv(args.follow_ups), box) for _ in range(args.tasks * args.group)]
+    tpl = ChatTemplate(tok, box.schemas if args.env == "add" else None)
+    envs = [_message_env(args, box) for _ in range(args.tasks * args.group)]
     convs = [list(e.reset(i // args.group)) for i, e in enumerate(envs)]
     active, turns = list(range(len(envs))), [0] * len(envs)
     tokens, stops = 0, list(tpl.stop_ids())
@@ -124,7 +150,7 @@ def run_hf_naive(args: argparse.Namespace, model: torch.nn.Module, tok: Any) -> 
             convs[i].append({"role": "assistant", "content": reply})
             new, _, done, _ = envs[i].step(reply)
             turns[i] += 1
-            if not done and turns[i] < args.follow_ups + 4:
+            if not done and turns[i] < _max_turns(args):
                 convs[i].extend(new)
                 still.append(i)
         active = still
@@ -145,6 +171,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: smoke test")
     p.add_argument("--model", default="", help="local HF model folder (default: tiny Qwen2)")
     p.add_argument("--sides", default="message,raw,hf_naive", help="comma-separated sides to run")
+    p.add_argument(
+        "--env",
+        choices=("add", "maze"),
+        default="add",
+        help="add: the calculator tasks with follow-ups; maze: examples/smollm2-maze's mazes "
+        "(one move per reply, the whole conversation kept)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.tasks, args.group, args.max_new_tokens, args.follow_ups = 2, 2, 8, 1

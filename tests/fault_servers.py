@@ -37,7 +37,7 @@ class ThreadServer:
     def __init__(self, model_dir: Path, name: str = "tiny") -> None:
         import uvicorn
 
-        from gyre.engines.server import ModelHost, create_app
+        from gyre.serve.server import ModelHost, create_app
 
         self.host = ModelHost(model_dir, name, torch.device("cpu"))
         self.port = free_port()

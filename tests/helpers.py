@@ -426,3 +426,24 @@ def resume_ranks_rank(rank: int, world: int, port: int, out_dir: str, model_dir:
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def fsdp2_probe_rank(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> None:
+    """One gloo rank of tests/unit/test_ray_probe.py: shard the model with FSDP2 and save the
+    sync probe this rank computes for version 1."""
+    import torch.distributed as dist
+
+    from gyre.config import load_config
+    from gyre.models.build import load_pretrained
+    from gyre.runners.probe import with_probe
+    from gyre.trainer.distributed import shard_fsdp2
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    model, tok = load_pretrained(model_dir, torch.device("cpu"))
+    model = shard_fsdp2(model)
+    probe = with_probe(load_config(None, []), {}, model, tok, 1)
+    torch.save(probe, f"{out_dir}/probe{rank}.pt")
+    dist.destroy_process_group()

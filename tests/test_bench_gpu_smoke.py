@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 SECTIONS = (
     "lean_vs_hf",
@@ -22,6 +24,7 @@ SECTIONS = (
 )
 
 
+@pytest.mark.slow  # ~28 s on CPU: the GPU check script end to end
 def test_gpu_check_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--smoke", "--out", str(tmp_path)],

@@ -26,6 +26,7 @@ class SamplingParams:
     # Texts that end a turn; the rollout cuts the sampled ids after the token completing one
     # (gyre.rollout.stops.cut_at_stop), so engines need not support them.
     stop_strings: tuple[str, ...] = ()
+    top_k: int = 0  # sample from the k most likely tokens only (ties with the k-th kept); 0: off
 
 
 @dataclass

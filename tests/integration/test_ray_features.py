@@ -122,6 +122,7 @@ def test_lora_and_reward_functions_under_ray_match_local(ray_cluster, warm, tmp_
     assert s["runner"] == "ray" and s["recovery/rollout_restarts"] == 0
 
 
+@pytest.mark.slow  # 10-15 s; the feature's local run is in the default suite
 def test_gae_critic_under_ray_matches_local(ray_cluster, warm, tmp_path):
     a, b = tmp_path / "ray", tmp_path / "local"
     extra = ["train.algo.advantage=gae", "train.algo.value_model=critic"]
@@ -131,6 +132,7 @@ def test_gae_critic_under_ray_matches_local(ray_cluster, warm, tmp_path):
     assert all(r["train/value_loss"] > 0 for r in _metrics(a) if "train/loss" in r)
 
 
+@pytest.mark.slow  # 10-15 s; the feature's local run is in the default suite
 def test_dynamic_sampling_under_ray_trains_only_groups_with_variance(ray_cluster, warm, tmp_path):
     d = tmp_path / "run"
     runners.train(_cfg(d, warm, "train.dapo.dynamic_sampling=true", "train.dapo.max_rounds=4",
@@ -233,6 +235,7 @@ VLM = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow  # 10-15 s; the feature's local run is in the default suite
 def test_vlm_with_image_turns_under_ray_matches_local(ray_cluster, tmp_path):
     """A tiny Qwen2.5-VL on a multi-turn image env: the rollout workers get the images from the
     env, the trajectories carry them to the trainer rank, and metrics and weights are bitwise
@@ -279,6 +282,7 @@ def _record_episodes(model_dir: Path, out: Path, temperature: float, groups: int
                 fh.write(json.dumps(rec) + "\n")
 
 
+@pytest.mark.slow  # 10-15 s; the feature's local run is in the default suite
 def test_recorded_source_under_ray_matches_local(ray_cluster, warm, tmp_path):
     """``train.source=DIR`` with ``runner=ray``: the rollout workers serve the recording's
     groups instead of playing the env, and metrics and weights are bitwise the local run's."""

@@ -19,9 +19,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gyre import loop, runners  # noqa: E402
+from gyre import loop, runners, sft  # noqa: E402
 from gyre.config import load_config  # noqa: E402
-from gyre.trainer import warmstart  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -101,7 +100,7 @@ def warm_model(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("warm")
     cfg = load_config(None, [*TINY, f"run.dir={d}", "sft.steps=40", "sft.demos=128"])
     run_dir, _ = loop.setup(cfg)
-    return warmstart.run_sft(cfg, run_dir, torch_cpu(), loop.base_model_path(cfg, run_dir))
+    return sft.run_sft(cfg, run_dir, torch_cpu(), loop.base_model_path(cfg, run_dir))
 
 
 def torch_cpu():

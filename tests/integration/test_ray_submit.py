@@ -75,6 +75,7 @@ def _head(tmp_path, tmp_path_factory, auth: dict, headers: dict | None = None):
     log.close()
 
 
+@pytest.mark.slow  # a Ray head and a job: ~85 s with start-up and teardown
 def test_gyre_submit_runs_a_ray_job_on_a_local_head(ray_head, tmp_path, capsys):
     from gyre.cli import main
 

@@ -355,6 +355,37 @@ def test_sglang_dialect_generate_and_adapters(served, tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("api", ["openai", "sglang"])
+def test_top_k_reaches_the_server_in_both_dialects(served, tokenizer, api):
+    """HttpEngine sends ``top_k`` as vLLM and SGLang take it; gyre serve samples with it: k=1
+    is greedy, k=2 draws among the 2 most likely with the truncated distribution's logprobs."""
+    from dataclasses import replace
+
+    from gyre.engines.http_engine import HttpEngine
+    from gyre.models.sampling import sampling_logprobs
+    from gyre.types import GenerationRequest, SamplingParams
+
+    srv, model, _ = served
+    prompt = [tokenizer.bos_token_id, *tokenizer.encode("4+4=", add_special_tokens=False)]
+    reqs = [GenerationRequest(list(prompt)) for _ in range(4)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    engine = HttpEngine([srv.url], api_key=KEY, api=api, timeout_s=60)
+    try:
+        greedy = engine.generate(reqs[:1], replace(params, temperature=0.0))[0].token_ids
+        assert all(o.token_ids == greedy for o in engine.generate(reqs, replace(params, top_k=1)))
+        outs = engine.generate(reqs, replace(params, top_k=2))
+    finally:
+        engine.close()
+    for out in outs:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + out.token_ids])).logits[0]
+        steps = logits[len(prompt) - 1 : -1]
+        logp = sampling_logprobs(steps, 1.0, 1.0, top_k=2)
+        for t, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert tok in steps[t].topk(2).indices.tolist()
+            assert lp == pytest.approx(logp[t, tok].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("api", ["openai", "sglang"])
 def test_engines_sleep_for_the_update_and_wake_for_rollout(served, api):
     """The hand-over of a colocated pool through the servers' own endpoints (vLLM's /sleep and
     /wake_up, SGLang's release/resume_memory_occupation), driven by gyre's HTTP client: asleep,

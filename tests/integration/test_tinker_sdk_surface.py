@@ -108,12 +108,6 @@ def test_topk_logprobs_of_samples_and_of_a_prompt_suffix(client):
             assert len(row) == 2 and row[0][1] >= row[1][1] and lp <= row[0][1] + 1e-5
             if token in dict(row):
                 assert dict(row)[token] == pytest.approx(lp, abs=1e-5)
-    with pytest.raises(Exception, match="top_k"):
-        sampler.sample(
-            types.ModelInput.from_ints(prompt),
-            num_samples=1,
-            sampling_params=types.SamplingParams(max_tokens=2, top_k=5),
-        ).result()
     with pytest.raises(Exception, match="prompt_logprobs_last_n"):
         sampler.compute_logprobs(
             types.ModelInput.from_ints(prompt), prompt_logprobs_last_n=len(prompt)
@@ -152,3 +146,85 @@ def test_a_base_model_named_by_its_hub_id_loads_from_the_offline_cache(tmp_path,
     cfg = TinkerServeConfig(model_path="acme/absent", state_dir=str(tmp_path / "s2"))
     with pytest.raises(InputError, match=r"model_path 'acme/absent'.*HF_HUB_OFFLINE=1"):
         build_service(cfg)
+
+
+def test_top_k_sampling(client):
+    sampler = client.create_sampling_client(base_model=_base(client)).result()
+    tok = sampler.get_tokenizer()
+    prompt = types.ModelInput.from_ints(tok.encode("hello there", add_special_tokens=False))
+
+    def sample(seed: int, **params) -> types.SampleResponse:
+        sp = types.SamplingParams(max_tokens=6, seed=seed, stop=[], **params)
+        return sampler.sample(prompt, 4, sp, topk_sample_logprobs=3).result()
+
+    greedy = sample(0, temperature=0.0).sequences[0]
+    for seq in sample(1, top_k=1).sequences:
+        assert seq.tokens == greedy.tokens and seq.logprobs == [0.0] * 6
+    res = sample(2, top_k=3, temperature=1.5)
+    assert [s.tokens for s in res.sequences] == [
+        s.tokens for s in sample(2, top_k=3, temperature=1.5).sequences
+    ]
+    assert len({tuple(s.tokens) for s in res.sequences}) > 1
+    n = prompt.length
+    for seq in res.sequences:
+        # the untempered model's 3 most likely tokens at each sampled position (temperature
+        # keeps the order, so they are the 3 the draw was restricted to)
+        scored = sampler.sample(
+            types.ModelInput.from_ints([*prompt.to_ints(), *seq.tokens]),
+            1,
+            types.SamplingParams(max_tokens=1),
+            topk_prompt_logprobs=3,
+        ).result()
+        for t, (token, lp, row) in enumerate(
+            zip(seq.tokens, seq.logprobs, seq.topk_logprobs, strict=True)
+        ):
+            assert token in {i for i, _ in scored.topk_prompt_logprobs[n + t]}
+            # the reported logprobs are of the truncated, renormalised distribution
+            assert sum(np.exp(v) for _, v in row) == pytest.approx(1.0, abs=1e-5)
+            assert dict(row)[token] == pytest.approx(lp, abs=1e-5)
+    with pytest.raises(Exception, match=r"sampling_params\.top_k"):
+        sample(0, top_k=-2)
+
+
+def test_target_prompt_logprobs_dense_and_sparse_and_alternative_tokens(client):
+    sampler = client.create_sampling_client(base_model=_base(client)).result()
+    ids = sampler.get_tokenizer().encode("hello there, tinker", add_special_tokens=False)
+    prompt = types.ModelInput.from_ints(ids)
+    rows = len(ids) - 1
+    own = sampler.compute_logprobs(prompt).result()[1:]  # the untempered model's, row i = i + 1
+    want = torch.full((rows, 6), -1, dtype=torch.long)
+    want[:, 0] = torch.tensor(ids[1:])  # the prompt's own tokens: their prompt logprobs
+    want[3, 4], want[5, 5] = 7, 11
+
+    def ask(targets: types.TensorData, alt_k: int = 0) -> types.SampleResponse:
+        sp = types.SamplingParams(max_tokens=1, seed=4)
+        return sampler.sample(
+            prompt, 1, sp, target_prompt_logprobs=targets, prompt_alt_tokens_k=alt_k
+        ).result()
+
+    dense = ask(types.TensorData.from_torch(want)).target_prompt_logprobs
+    assert dense.sparse_crow_indices is None and dense.shape == [rows, 6]
+    got = dense.to_torch()
+    np.testing.assert_allclose(got[:, 0].numpy(), own, atol=1e-5)
+    assert (got[want == -1] == 0.0).all()  # a -1 cell gets nothing
+    sparse_in = types.TensorData.from_torch_sparse(want[:, 1:], pad_value=-1)
+    assert sparse_in.sparse_crow_indices is not None  # only two cells named
+    sparse = ask(sparse_in).target_prompt_logprobs
+    assert sparse.sparse_col_indices == sparse_in.sparse_col_indices
+    assert sparse.to_torch()[3, 3] == pytest.approx(float(got[3, 4]), abs=1e-6)
+    assert sparse.to_torch()[5, 4] == pytest.approx(float(got[5, 5]), abs=1e-6)
+    assert float(got[3, 4]) < 0 and float(got[5, 5]) < 0
+
+    alt = ask(types.TensorData.from_torch(want), alt_k=5).prompt_alt_tokens
+    tokens, lps = alt.tokens.to_torch(), alt.logprobs.to_torch()
+    assert tokens.shape == lps.shape == (rows, 5) and tokens.dtype == torch.int64
+    again = ask(types.TensorData.from_torch(want), alt_k=5).prompt_alt_tokens  # seeded: same
+    assert torch.equal(again.tokens.to_torch(), tokens)
+    assert len(set(tokens.flatten().tolist())) > 5  # real draws, not one token repeated
+    # each draw's logprob is the model's: score the draws as targets and compare
+    scored = ask(alt.tokens).target_prompt_logprobs.to_torch()
+    torch.testing.assert_close(scored, lps, atol=1e-5, rtol=0)
+    with pytest.raises(Exception, match="target_prompt_logprobs"):
+        ask(types.TensorData.from_torch(want[:-1]))  # one row short
+    with pytest.raises(Exception, match="target_prompt_logprobs"):
+        ask(types.TensorData.from_torch(torch.full((rows, 2), -1, dtype=torch.long)))

@@ -218,6 +218,8 @@ def test_bad_calls_are_4xx_naming_the_field(model_dir, tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "gyre_session"
         r = http.post("/v1/gyre/episodes/nope/reward", json={"reward": 1})
         assert r.status_code == 404
+        r = http.post("/v1/chat/completions", json={**body, "gyre_session": "x", "top_k": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
         r = http.post("/v1/chat/completions", json={**body, "gyre_session": "x"})
         assert r.status_code == 200
         r = http.post("/v1/gyre/episodes/x/end")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -162,3 +163,31 @@ def test_empty_prompt_rejected(tokenizer, make_tiny_model):
     with pytest.raises(ValueError):
         engine.generate([GenerationRequest([])], SamplingParams())
     assert engine.generate([], SamplingParams()) == []
+
+
+def test_top_k_sampling_one_is_greedy_and_stays_in_the_k_most_likely(tokenizer, make_tiny_model):
+    from dataclasses import replace
+
+    from gyre.models.sampling import sampling_logprobs
+
+    model = make_tiny_model(seed=8)
+    engine = TorchEngine(model, tokenizer.pad_token_id, seed=0)
+    prompt = [tokenizer.bos_token_id, *tokenizer.encode("7+5=", add_special_tokens=False)]
+    reqs = [GenerationRequest(prompt, seed=s) for s in range(6)]
+    sampled = SamplingParams(1.0, 1.0, 6, (), top_logprobs=3)
+    greedy = engine.generate(reqs[:1], replace(sampled, temperature=0.0))[0]
+    for out in engine.generate(reqs, replace(sampled, top_k=1)):
+        assert out.token_ids == greedy.token_ids and out.logprobs == [0.0] * 6
+    outs = engine.generate(reqs, replace(sampled, top_k=3))
+    assert outs == engine.generate(reqs, replace(sampled, top_k=3))  # keyed: reproducible
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    for out in outs:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + out.token_ids])).logits[0]
+        logp = sampling_logprobs(logits[len(prompt) - 1 : -1], 1.0, 1.0, top_k=3)
+        for t, (tok, lp, top) in enumerate(
+            zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)
+        ):
+            assert tok in logits[len(prompt) - 1 + t].topk(3).indices.tolist()
+            assert lp == pytest.approx(logp[t, tok].item(), abs=1e-5)
+            assert sum(math.exp(v) for v in top.values()) == pytest.approx(1.0, abs=1e-5)

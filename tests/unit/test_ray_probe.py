@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from gyre.config import load_config
 from gyre.engines.verify import SyncNotApplied
 from gyre.models.build import create_tiny_checkpoint, load_tokenizer
-from gyre.runners.probe import IDS_KEY, with_probe
+from gyre.runners.probe import IDS_KEY, LOGPROBS_KEY, with_probe
+from helpers import fsdp2_probe_rank, spawn_two_ranks
 
 
 def _worker(cfg, path):
@@ -39,6 +40,42 @@ def test_a_rollout_worker_verifies_each_sync_and_catches_one_not_applied(tmp_pat
     with pytest.raises(SyncNotApplied, match=r"engine rollout worker 0 serves log-probs .* "
                        r"policy version 2 over the tolerance 0.05"):  # fmt: skip
         worker.load_weights(with_probe(cfg, trained[1].state_dict(), trained[1], tok, 2), 2)
+
+
+def test_a_lora_worker_that_keeps_sampling_the_base_is_caught(tmp_path, tiny_cfg):
+    """LoRA: the adapter alone travels; a worker that acknowledges it and keeps the base (or an
+    older adapter) serves other log-probs than the trainer's peft model and stops the run."""
+    from gyre.models.lora import load_policy, trainable_state
+
+    base = create_tiny_checkpoint(tiny_cfg, tmp_path / "base", seed=0)
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "model.lora.rank=4"])
+    honest, lazy = _worker(cfg, base), _worker(cfg, base)
+    lazy.rollout.load_weights = lambda state, version: None  # "loaded": still the base model
+    policy, tok = load_policy(cfg, tmp_path / "run", base, torch.device("cpu"))
+    torch.manual_seed(1)
+    for version in (1, 2):
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:  # what training does to the adapter (it starts at B = 0)
+                p.data.normal_(0.0, 0.5)
+        state = with_probe(cfg, trainable_state(policy), policy, tok, version)
+        assert all("lora_" in k for k in state if k not in (IDS_KEY, LOGPROBS_KEY))
+        honest.load_weights(state, version)
+        assert honest.probe.last_gap is not None and honest.probe.last_gap < 1e-4
+        with pytest.raises(SyncNotApplied, match=rf"rollout worker 0 .* version {version} "):
+            lazy.load_weights(state, version)
+
+
+def test_fsdp2_ranks_send_the_probe_of_the_whole_model(tmp_path, make_tiny_model, tokenizer):
+    """Under FSDP2 every rank scores the probe (a collective forward of the sharded model); the
+    probe rank 0 sends equals the unsharded model's, so the workers check FSDP2 runs too."""
+    model = make_tiny_model(seed=5)
+    spawn_two_ranks(fsdp2_probe_rank, tmp_path, model, tokenizer)
+    cfg = load_config(None, [])
+    want = with_probe(cfg, {}, model, tokenizer, 1)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"probe{rank}.pt")
+        assert torch.equal(got[IDS_KEY], want[IDS_KEY])
+        torch.testing.assert_close(got[LOGPROBS_KEY], want[LOGPROBS_KEY], atol=1e-5, rtol=0)
 
 
 def test_verify_every_bounds_the_probes_and_http_engines_send_none(tmp_path, tiny_cfg):

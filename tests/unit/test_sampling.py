@@ -119,3 +119,47 @@ def test_keyed_draw_never_picks_a_zero_weight_token():
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.2, 0.2, 0.1]), atol=2e-3, rtol=0)
     torch.testing.assert_close(totals, torch.ones(4000, dtype=torch.float64))
     assert np.isfinite(totals.numpy()).all()
+
+
+def test_top_k_hand_values_then_top_p_over_what_is_left():
+    # probs .4/.3/.2/.1: top_k=2 keeps .4/.3, renormalised to 4/7 and 3/7
+    lp = sampling_logprobs(_logits([0.1, 0.4, 0.2, 0.3]), 1.0, 1.0, top_k=2)
+    kept = torch.isfinite(lp[0]).nonzero().flatten().tolist()
+    assert kept == [1, 3]
+    torch.testing.assert_close(lp[0, [1, 3]].exp(), torch.tensor([4 / 7, 3 / 7]))
+    # then top_p .5 over the renormalised 4/7, 3/7: 4/7 >= .5 alone
+    lp = sampling_logprobs(_logits([0.1, 0.4, 0.2, 0.3]), 1.0, 0.5, top_k=2)
+    assert lp[0, 1].item() == 0.0 and torch.isinf(lp[0, [0, 2, 3]]).all()
+    # ties with the k-th logit are kept; k >= vocab or 0 is off
+    lp = sampling_logprobs(_logits([0.4, 0.2, 0.2, 0.2]), 1.0, 1.0, top_k=2)
+    assert torch.isfinite(lp).all()
+    plain = sampling_logprobs(_logits([0.1, 0.4, 0.2, 0.3]), 1.0, 1.0)
+    for k in (0, 4, 9):
+        assert torch.equal(sampling_logprobs(_logits([0.1, 0.4, 0.2, 0.3]), 1.0, 1.0, k), plain)
+
+
+def test_keyed_top_k_one_is_greedy_and_k_never_leaves_the_k_most_probable():
+    import numpy as np
+
+    from gyre.models.sampling import sample_tokens_keyed
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(512, 300, generator=g) * 2
+    seeds = np.arange(512, dtype=np.uint64) * 3 + 5
+    counters = np.arange(512, dtype=np.uint64) % 7
+    tokens, logps = sample_tokens_keyed(logits, 1.3, 1.0, seeds, counters, top_k=1)
+    assert torch.equal(tokens, logits.argmax(-1)) and torch.all(logps == 0.0)
+
+    tokens, logps = sample_tokens_keyed(logits, 1.3, 1.0, seeds, counters, top_k=5)
+    top5 = logits.topk(5, dim=-1).indices
+    assert (tokens[:, None] == top5).any(-1).all()
+    # the logprob is the truncated, renormalised distribution's
+    want = torch.log_softmax(torch.gather(logits / 1.3, -1, top5), -1)
+    got_at = (tokens[:, None] == top5).float().argmax(-1)
+    torch.testing.assert_close(logps, want.gather(-1, got_at[:, None]).squeeze(-1))
+    assert len(set(tokens.tolist())) > 5  # rows differ: not the argmax everywhere
+    # the same (seed, counter) draws the same token; other seeds draw others
+    again, lp_again = sample_tokens_keyed(logits, 1.3, 1.0, seeds, counters, top_k=5)
+    assert torch.equal(tokens, again) and torch.equal(logps, lp_again)
+    other, _ = sample_tokens_keyed(logits, 1.3, 1.0, seeds + 1, counters, top_k=5)
+    assert not torch.equal(tokens, other)

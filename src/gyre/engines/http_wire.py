@@ -28,6 +28,12 @@ def completion_route(api: str) -> str:
     return "/v1/completions" if api == "openai" else "/generate"
 
 
+def _top_k(params: SamplingParams) -> dict[str, int]:
+    """vLLM and SGLang both take ``top_k`` (-1: off); sent only when on, so a request without
+    it is unchanged for servers that do not know the key."""
+    return {"top_k": params.top_k} if params.top_k > 0 else {}
+
+
 def completion_body(
     api: str, model: str, prompt: list[int], params: SamplingParams, images: list[str]
 ) -> dict[str, Any]:
@@ -42,6 +48,7 @@ def completion_body(
                 "max_new_tokens": params.max_new_tokens,
                 "temperature": params.temperature,
                 "top_p": params.top_p,
+                **_top_k(params),
                 "stop_token_ids": list(params.stop_token_ids),
                 "ignore_eos": True,
                 "skip_special_tokens": False,
@@ -58,6 +65,7 @@ def completion_body(
         "max_tokens": params.max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
+        **_top_k(params),
         "n": 1,
         "logprobs": params.top_logprobs,
         "return_token_ids": True,

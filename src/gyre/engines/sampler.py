@@ -49,13 +49,14 @@ class KeyedSampler:
             sub = logits if len(at) == len(rows) else logits[at]
             seeds = np.array([rows[j].seed for j in at], dtype=np.uint64)
             counters = np.array([len(rows[j].out_ids) for j in at], dtype=np.uint64)
-            tok, lp = sample_tokens_keyed(sub, temp, params.top_p, seeds, counters)
+            tok, lp = sample_tokens_keyed(sub, temp, params.top_p, seeds, counters, params.top_k)
             for j, t, v in zip(at, tok.tolist(), lp.tolist(), strict=True):
                 tokens[j], logps[j] = t, v
             if k > 0:
                 # The k most likely tokens under the distribution sampled from (after
-                # temperature and top-p), as OpenAI's ``logprobs``/``top_logprobs`` report them.
-                top = sampling_logprobs(sub, temp, params.top_p).topk(k, dim=-1)
+                # temperature, top-k and top-p), as OpenAI's ``logprobs``/``top_logprobs``
+                # report them.
+                top = sampling_logprobs(sub, temp, params.top_p, params.top_k).topk(k, dim=-1)
                 for j, v, ix in zip(at, top.values.tolist(), top.indices.tolist(), strict=True):
                     top_v[j], top_i[j] = v, ix
         for j, (row, tok, lp) in enumerate(zip(rows, tokens, logps, strict=True)):

@@ -82,11 +82,13 @@ def prompt_table(model: torch.nn.Module, ids: list[int], k: int) -> list[PromptT
 
 
 def model_prompt_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    """log p(ids[k] | ids[:k]) for k = 1 .. n-1 under ``model`` (in eval mode)."""
+    """log p(ids[k] | ids[:k]) for k = 1 .. n-1 under ``model`` (in eval mode, no autograd:
+    an FSDP2 model's forward then reshards without waiting for a backward)."""
     was_training = model.training
     model.eval()
     try:
-        return [row.logprob for row in prompt_table(model, ids, 0)]
+        with torch.no_grad():
+            return [row.logprob for row in prompt_table(model, ids, 0)]
     finally:
         model.train(was_training)
 

@@ -1,7 +1,7 @@
 """The sampling distribution, shared by the engine (to sample) and the trainer (to score).
 
 Both sides call :func:`sampling_logprobs`, so the log-probabilities the trainer recomputes are
-those of the distribution the engine actually sampled from: temperature-scaled and top-p
+those of the distribution the engine actually sampled from: temperature-scaled, top-k and top-p
 truncated, renormalised. Engines that report logprobs of the raw softmax while sampling from a
 tempered one are a known source of train/inference mismatch.
 """
@@ -13,14 +13,21 @@ import torch
 import torch.nn.functional as F
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0
+) -> torch.Tensor:
     """Log-probs over the vocabulary (last dim) of the distribution sampled from.
 
-    ``temperature == 0`` (greedy) scores with the untempered softmax.
+    In vLLM's order: temperature, then top-k (``top_k > 0`` keeps the k largest logits, and
+    any tied with the k-th), then top-p over what is left, then renormalise. ``temperature ==
+    0`` (greedy) scores with the untempered softmax.
     """
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
@@ -33,10 +40,14 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` (B, V); returns (tokens (B,), logprobs (B,))."""
-    logp = sampling_logprobs(logits, temperature, top_p)
+    logp = sampling_logprobs(logits, temperature, top_p, top_k)
     if temperature == 0:
         tokens = torch.argmax(logp, dim=-1)
     else:
@@ -102,6 +113,7 @@ def sample_tokens_keyed(
     top_p: float,
     seeds: np.ndarray,
     counters: np.ndarray,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`sample_tokens`, but row i draws with :func:`keyed_uniforms` (inverse CDF).
 
@@ -111,12 +123,12 @@ def sample_tokens_keyed(
     ``sampling_logprobs``, so they are bitwise those of :func:`sample_tokens` and of earlier
     releases (the golden runs pin them; the log-softmax is ~30 ms a step at 128 x 49k).
     """
-    logp = sampling_logprobs(logits, temperature, top_p)
+    logp = sampling_logprobs(logits, temperature, top_p, top_k)
     if temperature == 0:
         tokens = torch.argmax(logp, dim=-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
     u = keyed_uniforms(seeds, counters).to(logp.device)
-    if top_p < 1.0:
+    if top_p < 1.0 or top_k > 0:
         tokens, _ = inverse_cdf(logp.exp(), u)
     else:
         x = logits.float()

@@ -258,7 +258,7 @@ class TrainerRank:
             return path, 0
         with self._collective("weight gather"):  # FSDP2: an all-gather
             state = self.trainer.weights()
-        if not hasattr(self.trainer.comm, "mirror"):  # not FSDP2: the probe rides with them
+        with self._collective("sync probe"):  # the probe rides with them (FSDP2: every rank)
             model, tok = self.trainer.model, self.trainer.tokenizer
             state = with_probe(self.cfg, state, model, tok, version)
         return state, sum(t.numel() * t.element_size() for t in state.values())

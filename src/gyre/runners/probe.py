@@ -9,8 +9,8 @@ rollout worker takes them out before loading, loads, scores the probe with its o
 stops the run (exit 3, :class:`~gyre.engines.verify.SyncNotApplied`) naming itself, the version
 and the gap when its engine does not serve what it was sent. The cost is one forward of
 ``engine.verify_tokens`` tokens on each side per checked sync; ``engine.verify_every`` bounds it
-(by version). Under FSDP2 the trainer's model is sharded and no probe is sent (as for the local
-check), so FSDP2 runs are not verified this way.
+(by version). Under FSDP2 every trainer rank scores the probe (the sharded forward is a
+collective that gathers each layer's weights), and rank 0's copy rides with the weights.
 """
 
 from __future__ import annotations

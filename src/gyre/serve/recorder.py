@@ -245,6 +245,10 @@ class Recorder:
             ) from exc
         max_new = body.max_completion_tokens or body.max_tokens or 64
         params = sampling_params(host.vocab, body, max_new, k)
+        if params.top_k:  # the trainer scores recorded tokens without one
+            raise ApiError(
+                400, "top_k: not allowed on a recorded call (train.sampling has none)", "top_k"
+            )
         stops = tuple(sorted({*params.stop_token_ids, *tpl.stop_ids()}))
         params = replace(params, stop_token_ids=stops)
         prompt = (s.segments[-1].ids if (s is not None and not new) else []) + append

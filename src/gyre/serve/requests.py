@@ -52,6 +52,7 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 NewTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
 TopK = Annotated[int, Field(ge=0, le=20)]
+SampleTopK = Annotated[int, Field(ge=-1)]  # vLLM's top_k: -1 or 0 is off
 
 
 def _prompt_kind(v: Any) -> str | None:
@@ -92,6 +93,7 @@ class CompletionBody(_Body):
     max_tokens: NewTokens | None = 16
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
+    top_k: SampleTopK | None = None
     n: int = Field(1, ge=1, le=128)
     logprobs: TopK | None = None
     prompt_logprobs: TopK | None = None  # vLLM's: the prompt tokens' own log-probs
@@ -150,6 +152,7 @@ class ChatBody(_Body):
     max_completion_tokens: NewTokens | None = None
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
+    top_k: SampleTopK | None = None
     n: int = Field(1, ge=1, le=128)
     logprobs: bool = False
     top_logprobs: TopK | None = None
@@ -172,6 +175,7 @@ class GenerateSamplingParams(_Body):
     max_new_tokens: NewTokens = 128
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
+    top_k: SampleTopK = -1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -350,6 +354,7 @@ def sampling_params(v: Vocab, body: Any, max_new: int, top_k: int) -> SamplingPa
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
         max_new_tokens=max_new,
         stop_token_ids=tuple(sorted(set(stop_ids))),
         seed=getattr(body, "seed", None),

@@ -16,13 +16,19 @@ import torch
 from gyre.engines.torch_engine import TorchEngine
 from gyre.rollout.stops import cut_at_stop
 from gyre.tinker.custom_loss import CustomLoss
-from gyre.tinker.errors import Unsupported, UserError
+from gyre.tinker.errors import UserError
 from gyre.tinker.losses import get_loss
+from gyre.tinker.prompt_scores import (
+    MAX_TOPK,
+    PromptAsk,
+    PromptScores,
+    check_alt_k,
+    parse_targets,
+    score_prompt,
+)
 from gyre.tinker.tenants import Tenant
 from gyre.tinker.wire import MASK_LOGPROB, FwdBwdCall, SampledSeq
 from gyre.types import GenerationRequest, SamplingParams
-
-MAX_TOPK = 100  # widest top-k a sampling request may ask for
 
 
 def _targets(call: FwdBwdCall, vocab: int) -> list[torch.Tensor]:
@@ -103,9 +109,12 @@ def forward_backward(
     tenant's parameters.
 
     Datums run in micro-batches of at most ``budget`` padded tokens (the (B, T, V) log-probs of
-    a large vocabulary are the memory peak); gradients add up across them, as the losses are
-    sums. A micro-batch with a non-finite loss fails the request after the earlier ones of the
-    same call have added their gradients."""
+    a large vocabulary are the memory peak), shortest first so that rows of like length share
+    one; gradients add up across them, as the losses are sums. Rows are right-padded and run
+    without an attention mask: in a causal model no real position sees the padding after it,
+    and plain causal attention is a faster kernel than a masked one. A micro-batch with a
+    non-finite loss fails the request after the earlier ones of the same call have added
+    their gradients."""
     loss_fn = get_loss(call.loss_fn) if custom is None else CustomRun(custom, len(call.data))
     if not call.data:
         raise UserError("data: empty")
@@ -117,22 +126,21 @@ def forward_backward(
             if k != "target_tokens" and not np.all(np.isfinite(v)):
                 raise UserError(f"data[{i}].loss_fn_inputs.{k}: holds NaN or inf")
     lengths = [len(d.tokens) for d in call.data]
-    outputs: list[dict[str, np.ndarray]] = []
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    outputs: list[dict[str, np.ndarray]] = [{} for _ in lengths]
     total = 0.0
-    for rows in _chunks(lengths, budget):
+    for span in _chunks([lengths[i] for i in order], budget):
+        rows = [order[j] for j in span]
         ids = torch.full((len(rows), max(lengths[i] for i in rows)), pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
         for r, i in enumerate(rows):
             ids[r, : lengths[i]] = torch.tensor(call.data[i].tokens)
-            attn[r, : lengths[i]] = 1
         with torch.set_grad_enabled(not call.forward_only):
-            logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
+            logits = model(input_ids=ids.to(device)).logits
             logp = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
             part = logp.new_zeros(())
             for r, i in enumerate(rows):
-                loss, out = _datum_loss(loss_fn, logp[r, : lengths[i]], targets[i], call, i)
+                loss, outputs[i] = _datum_loss(loss_fn, logp[r, : lengths[i]], targets[i], call, i)
                 part = part + loss
-                outputs.append(out)
             if not torch.isfinite(part):
                 raise UserError(f"loss is {part.item()} (non-finite); check loss_fn_inputs")
             if not call.forward_only:
@@ -211,11 +219,9 @@ class SampleJob:
     prompt: tuple[int, ...]
     n: int
     seed: int
-    prompt_logprobs: bool
     params: SamplingParams
     stop_texts: tuple[str, ...]
-    topk_prompt: int = 0  # the k most likely tokens at every scored prompt position
-    last_n: int | None = None  # score only the last N prompt positions
+    ask: PromptAsk  # what to score on the prompt
 
 
 def check_sample(
@@ -223,12 +229,12 @@ def check_sample(
 ) -> SampleJob:
     """Validate an ``asample`` body before it is queued; errors name the field."""
     prompt, params = request["prompt_ids"], request["sampling_params"]
-    if params.get("top_k", -1) not in (-1, 0, None):
-        raise Unsupported("sampling_params.top_k: only -1 (no top-k) is supported")
-    if request.get("prompt_alt_tokens_k"):
-        raise Unsupported("prompt_alt_tokens_k: not supported by this server")
-    if request.get("target_prompt_logprobs") is not None:
-        raise Unsupported("target_prompt_logprobs: not supported by this server")
+    top_k = params.get("top_k")
+    top_k = -1 if top_k is None else top_k
+    if not isinstance(top_k, int) or top_k < -1:
+        raise UserError(f"sampling_params.top_k: -1 (off) or a positive integer, got {top_k!r}")
+    targets = parse_targets(request.get("target_prompt_logprobs"), len(prompt), vocab)
+    alt_k = check_alt_k(request.get("prompt_alt_tokens_k"))
     topk_prompt, topk_sample = (
         _topk(request, key, vocab) for key in ("topk_prompt_logprobs", "topk_sample_logprobs")
     )
@@ -255,15 +261,16 @@ def check_sample(
     sp = SamplingParams(
         temperature=temperature,
         top_p=top_p,
+        top_k=max(top_k, 0),
         max_new_tokens=max_tokens,
         stop_token_ids=stop_ids,
         top_logprobs=topk_sample,
     )
     seed = seed if params.get("seed") is None else int(params["seed"])
-    want_prompt = bool(request.get("prompt_logprobs"))
-    return SampleJob(
-        tuple(prompt), request["n"], seed, want_prompt, sp, stop_texts, topk_prompt, last_n
+    ask = PromptAsk(
+        bool(request.get("prompt_logprobs")), topk_prompt, last_n, targets, alt_k, temperature
     )
+    return SampleJob(tuple(prompt), request["n"], seed, sp, stop_texts, ask)
 
 
 def _topk(request: dict[str, Any], key: str, vocab: int) -> int:
@@ -281,7 +288,7 @@ def sample_batch(
     max_rows: int,
 ) -> list[tuple[list[SampledSeq], PromptScores]]:
     """Every job's ``n`` completions in one batch of gyre's engine (the jobs share
-    ``params``), and each job's prompt scores when asked (:func:`_prompt_logprobs`). Sample i of a
+    ``params``), and each job's prompt scores when asked (:func:`score_prompt`). Sample i of a
     job draws from the stream keyed by (job seed + i), whatever else shares the batch; at most
     ``max_rows`` sequences decode at once (continuous batching admits the rest as rows finish)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -295,7 +302,7 @@ def sample_batch(
         ]
         comps = iter(engine.generate(reqs, jobs[0].params))
         scored = [
-            _prompt_logprobs(module, j) if j.prompt_logprobs or j.topk_prompt else PromptScores()
+            score_prompt(module, j.prompt, j.ask, j.seed) if j.ask.any else PromptScores()
             for j in jobs
         ]
     out = []
@@ -323,36 +330,3 @@ def _topk_rows(rows: list[dict[int, float]], k: int) -> tuple[np.ndarray, np.nda
         ids[r, : len(best)] = [t for t, _ in best]
         lps[r, : len(best)] = [v for _, v in best]
     return ids, lps
-
-
-@dataclass
-class PromptScores:
-    """A job's prompt scoring: logprobs (P,) NaN where unscored; top-k (P, k) matrices."""
-
-    logprobs: np.ndarray | None = None
-    topk: tuple[np.ndarray, np.ndarray] | None = None
-
-
-def _prompt_logprobs(module: torch.nn.Module, job: SampleJob) -> PromptScores:
-    """The untempered model's log-probabilities of each prompt token given the ones before
-    it, and (``topk_prompt``) its k most likely tokens there; position 0, and positions before
-    the last ``last_n``, are unscored (NaN; top-k rows of token 0 at the SDK's mask value)."""
-    prompt = job.prompt
-    device = next(module.parameters()).device
-    ids = torch.tensor([prompt], device=device)
-    logp = torch.log_softmax(module(input_ids=ids).logits.float()[0], dim=-1)  # (P, V)
-    first = 1 if job.last_n is None else len(prompt) - job.last_n
-    lp = np.full(len(prompt), np.nan, dtype=np.float32)
-    if len(prompt) > 1:
-        got = logp[first - 1 : -1].gather(-1, ids[0, first:, None])[:, 0]
-        lp[first:] = got.cpu().numpy()
-    top = None
-    if job.topk_prompt:
-        k = job.topk_prompt
-        top_ids = np.zeros((len(prompt), k), dtype=np.int32)
-        top_lps = np.full((len(prompt), k), MASK_LOGPROB, dtype=np.float32)
-        best = logp[first - 1 : -1].topk(k, dim=-1)
-        top_ids[first:] = best.indices.cpu().numpy()
-        top_lps[first:] = best.values.cpu().numpy()
-        top = (top_ids, top_lps)
-    return PromptScores(lp if job.prompt_logprobs else None, top)

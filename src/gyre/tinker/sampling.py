@@ -90,7 +90,10 @@ class Samplers:
             done = compute.sample_batch(
                 module, context, self.host.tokenizer, jobs, self.cfg.sample_max_rows
             )
-            return [encode_sample_response(seqs, ps.logprobs, ps.topk) for seqs, ps in done]
+            return [
+                encode_sample_response(seqs, ps.logprobs, ps.topk, ps.targets, ps.alt)
+                for seqs, ps in done
+            ]
 
         key = ("sample", str(folder), job.params, job.stop_texts)
         rid = self.futures.submit_batchable(key, job, run, "sample")

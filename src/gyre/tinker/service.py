@@ -189,7 +189,8 @@ class TinkerService:
             return encode_forward_backward_output(outputs, metrics)
 
         kind = "forward" if call.forward_only else "forward_backward"
-        return self.futures.submit(run, f"{kind} {len(call.data)} datums")
+        tokens = sum(len(d.tokens) for d in call.data)
+        return self.futures.submit(run, f"{kind} {len(call.data)} datums, {tokens} tokens")
 
     def optim_step(self, body: dict[str, Any]) -> str:
         tenant = self.tenant(body.get("model_id"))

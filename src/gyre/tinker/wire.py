@@ -145,6 +145,29 @@ class SampledSeq:
     topk: TopK | None = None  # topk_sample_logprobs, one row per token
 
 
+@dataclass
+class TensorOut:
+    """A 2-D answer tensor: ``values`` flat, dense in ``shape`` or at the CSR cells."""
+
+    values: np.ndarray
+    shape: tuple[int, int]
+    csr: tuple[list[int], list[int]] | None = None  # (crow_indices, col_indices)
+
+
+def _put_tensor(msg, t: TensorOut) -> None:
+    pb = _pb()
+    v = np.ascontiguousarray(t.values)
+    msg.dtype = pb.DTYPE_INT64 if v.dtype.kind in "iu" else pb.DTYPE_FLOAT32
+    v = v.astype(np.int64 if v.dtype.kind in "iu" else np.float32)
+    msg.shape.extend(t.shape)
+    if t.csr is None:
+        msg.dense = v.tobytes()
+    else:
+        msg.sparse_csr.values = v.tobytes()
+        msg.sparse_csr.crow_indices = np.asarray(t.csr[0], dtype=np.int64).tobytes()
+        msg.sparse_csr.col_indices = np.asarray(t.csr[1], dtype=np.int64).tobytes()
+
+
 def _put_topk(msg, topk: TopK) -> None:
     ids, lps = topk
     msg.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
@@ -156,8 +179,11 @@ def encode_sample_response(
     seqs: list[SampledSeq],
     prompt_logprobs: np.ndarray | None,
     prompt_topk: TopK | None = None,
+    targets: TensorOut | None = None,
+    alt: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> bytes:
-    """``SampleResponse``; ``prompt_logprobs`` (len(prompt),) with NaN where none (position 0)."""
+    """``SampleResponse``; ``prompt_logprobs`` (len(prompt),) with NaN where none (position 0);
+    ``targets``: ``target_prompt_logprobs``; ``alt``: ``prompt_alt_tokens`` (ids, logprobs)."""
     pb = _pb()
     msg = pb.SampleResponse()
     for s in seqs:
@@ -171,4 +197,11 @@ def encode_sample_response(
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
     if prompt_topk is not None:
         _put_topk(msg.topk_prompt_logprobs, prompt_topk)
+    if targets is not None:
+        _put_tensor(msg.target_prompt_logprobs, targets)
+    if alt is not None:
+        ids, lps = alt
+        shape = (int(ids.shape[0]), int(ids.shape[1]))
+        _put_tensor(msg.prompt_alt_tokens.tokens, TensorOut(ids.ravel(), shape))
+        _put_tensor(msg.prompt_alt_tokens.logprobs, TensorOut(lps.ravel(), shape))
     return msg.SerializeToString()
