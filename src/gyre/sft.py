@@ -28,7 +28,7 @@ from gyre.checkpoint.resume import (
     preempt_if_requested,
     rewind_metrics,
 )
-from gyre.checkpoint.snapshot import load_into
+from gyre.checkpoint.snapshot import Snapshot, load_into
 from gyre.checkpoint.store import write_model_dir
 from gyre.config import Config
 from gyre.envs import Demonstrator, env_factory
@@ -267,7 +267,8 @@ def run_sft(
 
     def save(step: int) -> str | None:
         state = {"data": cursor.state_dict(), "nonfinite_streak": streak}
-        return ckpt.save("sft", step, model, tokenizer, opt, state, metrics_path, sched)
+        snap = Snapshot(step, state, opt, sched, phase="sft")
+        return ckpt.save(model, tokenizer, snap, metrics_path)
 
     try:
         for step in range(start + 1, cfg.sft.steps + 1):

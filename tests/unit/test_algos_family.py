@@ -155,10 +155,10 @@ def test_reinforce_pp_baseline_hand_values():
 def test_gae_hand_values():
     mask = _t([[0, 1, 1]])
     values = _t([[0.0, 0.5, 0.25]])
+    x = AdvantageInputs(loss_mask=mask, values=values)
     adv, ret = gae_advantages(
-        _t([1.0]), torch.tensor([0]), loss_mask=mask, values=values, gamma=0.9, lam=0.95,
-        whiten=False,
-    )  # fmt: skip
+        _t([1.0]), torch.tensor([0]), inputs=x, gamma=0.9, lam=0.95, whiten=None
+    )
     # delta_2 = 1 - .25 = .75; delta_1 = .9 * .25 - .5 = -.275; A_1 = -.275 + .9 * .95 * .75
     torch.testing.assert_close(adv, _t([[0.0, -0.275 + 0.64125, 0.75]]))
     torch.testing.assert_close(ret, _t([[0.0, 0.36625 + 0.5, 1.0]]))
@@ -167,9 +167,8 @@ def test_gae_hand_values():
 def test_gae_lambda_one_gamma_one_is_reward_to_go_minus_value():
     mask = _t([[0, 1, 0, 1, 1]])  # t=2 is an observation token: skipped
     values = _t([[0, 0.3, 9.0, -0.2, 0.7]])
-    adv, ret = gae_advantages(
-        _t([2.0]), torch.tensor([0]), loss_mask=mask, values=values, whiten=False
-    )
+    x = AdvantageInputs(loss_mask=mask, values=values)
+    adv, ret = gae_advantages(_t([2.0]), torch.tensor([0]), inputs=x, whiten=None)
     torch.testing.assert_close(ret, _t([[0, 2.0, 0, 2.0, 2.0]]))
     torch.testing.assert_close(adv, _t([[0, 1.7, 0, 2.2, 1.3]]))
 
@@ -202,15 +201,12 @@ def test_gae_and_returns_vectorised_match_loop():
     mask = _random_mask(g, B, T)
     values = torch.randn(B, T, generator=g)
     rewards = torch.randn(B, generator=g)
-    adv, _ = gae_advantages(
-        rewards, torch.arange(B), loss_mask=mask, values=values, gamma=0.93, lam=0.8,
-        whiten=False,
-    )  # fmt: skip
+    x = AdvantageInputs(loss_mask=mask, values=values)
+    adv, _ = gae_advantages(rewards, torch.arange(B), inputs=x, gamma=0.93, lam=0.8, whiten=None)
     torch.testing.assert_close(adv, _loop_gae(rewards, mask, values, 0.93, 0.8), atol=1e-5, rtol=0)
     # GAE(lambda=1) == discounted return - V, the REINFORCE++ return
-    adv1, _ = gae_advantages(
-        rewards, torch.arange(B), loss_mask=mask, values=values * mask, gamma=0.93, whiten=False
-    )
+    x1 = AdvantageInputs(loss_mask=mask, values=values * mask)
+    adv1, _ = gae_advantages(rewards, torch.arange(B), inputs=x1, gamma=0.93, whiten=None)
     ret = discounted_returns(last_token_rewards(rewards, mask), mask, 0.93)
     torch.testing.assert_close(adv1, (ret - values) * mask, atol=1e-5, rtol=0)
 

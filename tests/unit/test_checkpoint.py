@@ -105,7 +105,9 @@ def tiny(make_tiny_model):
 def test_save_retention_contents_and_manifest(tmp_path, tiny, tokenizer):
     model, opt = tiny
     for step in (1, 2, 3, 4):
-        path = save_checkpoint(tmp_path, step, model, tokenizer, opt, {"cursor": 10 * step}, keep=2)
+        path = save_checkpoint(
+            tmp_path, model, tokenizer, Snapshot(step, {"cursor": 10 * step}, opt), keep=2
+        )
         assert path.name == f"step_{step:06d}"
     kept = list_checkpoints(tmp_path)
     assert [p.name for p in kept] == ["step_000003", "step_000004"]
@@ -129,7 +131,7 @@ def test_save_retention_contents_and_manifest(tmp_path, tiny, tokenizer):
 def test_retention_keeps_last_n_plus_every_mth(tmp_path, tiny, tokenizer):
     model, opt = tiny
     for step in range(1, 11):
-        save_checkpoint(tmp_path, step, model, tokenizer, opt, {}, keep=2, keep_every=4)
+        save_checkpoint(tmp_path, model, tokenizer, Snapshot(step, {}, opt), keep=2, keep_every=4)
     assert [p.name for p in list_checkpoints(tmp_path)] == [
         "step_000004",
         "step_000008",
@@ -140,8 +142,8 @@ def test_retention_keeps_last_n_plus_every_mth(tmp_path, tiny, tokenizer):
 
 def test_resave_same_step_replaces(tmp_path, tiny, tokenizer):
     model, opt = tiny
-    save_checkpoint(tmp_path, 5, model, tokenizer, opt, {"cursor": 1}, keep=3)
-    save_checkpoint(tmp_path, 5, model, tokenizer, opt, {"cursor": 2}, keep=3)
+    save_checkpoint(tmp_path, model, tokenizer, Snapshot(5, {"cursor": 1}, opt), keep=3)
+    save_checkpoint(tmp_path, model, tokenizer, Snapshot(5, {"cursor": 2}, opt), keep=3)
     [only] = list_checkpoints(tmp_path)
     assert json.loads((only / STATE_FILE).read_text())["cursor"] == 2
     assert verify_dir(only) == []
@@ -149,8 +151,8 @@ def test_resave_same_step_replaces(tmp_path, tiny, tokenizer):
 
 def test_corrupt_weights_detected(tmp_path, tiny, tokenizer, caplog):
     model, opt = tiny
-    good = save_checkpoint(tmp_path, 1, model, tokenizer, opt, {}, keep=5)
-    bad = save_checkpoint(tmp_path, 2, model, tokenizer, opt, {}, keep=5)
+    good = save_checkpoint(tmp_path, model, tokenizer, Snapshot(1, {}, opt), keep=5)
+    bad = save_checkpoint(tmp_path, model, tokenizer, Snapshot(2, {}, opt), keep=5)
     weights = bad / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit
@@ -167,7 +169,7 @@ def test_corrupt_weights_detected(tmp_path, tiny, tokenizer, caplog):
 def test_disk_full_during_write_keeps_previous(tmp_path, tiny, tokenizer):
     """ENOSPC mid-write: a clear error, the previous checkpoint intact, no staging left over."""
     model, opt = tiny
-    first = save_checkpoint(tmp_path, 1, model, tokenizer, opt, {"cursor": 1}, keep=1)
+    first = save_checkpoint(tmp_path, model, tokenizer, Snapshot(1, {"cursor": 1}, opt), keep=1)
 
     def full() -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -176,7 +178,7 @@ def test_disk_full_during_write_keeps_previous(tmp_path, tiny, tokenizer):
     try:
         full_disk = r"No space left on device writing checkpoint .*step_000002"
         with pytest.raises(CheckpointError, match=full_disk):
-            save_checkpoint(tmp_path, 2, model, tokenizer, opt, {"cursor": 2}, keep=1)
+            save_checkpoint(tmp_path, model, tokenizer, Snapshot(2, {"cursor": 2}, opt), keep=1)
     finally:
         set_fault_hook("checkpoint.write", None)
     assert [p.name for p in checkpoint_dir(tmp_path).iterdir()] == ["step_000001"]
@@ -196,17 +198,8 @@ def test_load_restores_optimizer_rng_scheduler_and_generators(
     random.seed(1)
     np.random.seed(1)
     torch.manual_seed(1)
-    path = save_checkpoint(
-        tmp_path,
-        7,
-        model,
-        tokenizer,
-        opt,
-        {"cursor": 3},
-        keep=1,
-        scheduler=sched,
-        generators={"a": g_torch, "b": g_np},
-    )
+    snap = Snapshot(7, {"cursor": 3}, opt, sched, {"a": g_torch, "b": g_np})
+    path = save_checkpoint(tmp_path, model, tokenizer, snap, keep=1)
     expected = (
         random.random(),
         float(np.random.rand()),
@@ -240,9 +233,11 @@ def test_load_restores_optimizer_rng_scheduler_and_generators(
 
 def test_step_argument_wins_over_loaded_state(tmp_path, tiny, tokenizer):
     model, opt = tiny
-    first = save_checkpoint(tmp_path, 3, model, tokenizer, opt, {"cursor": 6}, keep=5)
+    first = save_checkpoint(tmp_path, model, tokenizer, Snapshot(3, {"cursor": 6}, opt), keep=5)
     state = load_checkpoint_state(first, opt)  # what loop.train does on resume
-    nxt = save_checkpoint(tmp_path, 4, model, tokenizer, opt, {**state, "cursor": 8}, keep=5)
+    nxt = save_checkpoint(
+        tmp_path, model, tokenizer, Snapshot(4, {**state, "cursor": 8}, opt), keep=5
+    )
     assert json.loads((nxt / STATE_FILE).read_text())["step"] == 4
     assert find_resume(tmp_path, "auto") == nxt
 
@@ -395,7 +390,7 @@ def test_model_mismatch_lists_fields(tmp_path, tiny_cfg):
 def test_kill_during_same_step_resave_keeps_the_old_copy(tmp_path, tiny, tokenizer):
     """Killed between moving step_N aside and renaming its replacement in: step_N comes back."""
     model, opt = tiny
-    path = save_checkpoint(tmp_path, 4, model, tokenizer, opt, {"cursor": 1}, keep=1)
+    path = save_checkpoint(tmp_path, model, tokenizer, Snapshot(4, {"cursor": 1}, opt), keep=1)
     root = checkpoint_dir(tmp_path)
     path.rename(root / ".old_step_000004")  # the state right after the first rename
     (root / ".tmp_step_000004").mkdir()  # the replacement, never renamed in

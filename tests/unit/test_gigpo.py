@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from gyre.algos import (
     gigpo_advantages,
 )
 from gyre.algos.turns import (
+    StepTerms,
     discounted_turn_returns,
     gigpo_step_advantages,
     self_loop_turns,
@@ -66,7 +68,8 @@ def test_gigpo_bump_turn_negative_good_turns_positive():
     assert step[1] == pytest.approx([-2 * third, third, 0.0])
     assert step[1][0] < 0 < step[1][1]
     # both episodes succeed: GRPO's episode advantage is 0, so A = w * A^S on each turn's token
-    adv = gigpo_advantages(rewards, groups, loss_mask=mask, turns=turns, gamma=0.5, step_weight=0.5)
+    step = StepTerms(gamma=0.5, weight=0.5)
+    adv = gigpo_advantages(rewards, groups, loss_mask=mask, turns=turns, step=step)
     want = torch.zeros(2, 7)
     want[0, 1], want[1, 1], want[1, 3] = 0.5 * third, -0.5 * 2 * third, 0.5 * third
     torch.testing.assert_close(adv, want, atol=1e-5, rtol=1e-5)  # eps = 1e-6 in the std
@@ -118,10 +121,8 @@ def test_gigpo_episode_part_is_grpo_and_rows_without_turns_get_it():
     mask = torch.zeros(2, 5)
     mask[0, [1, 3]] = 1
     mask[1, [1, 2]] = 1
-    adv = gigpo_advantages(
-        torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), loss_mask=mask, turns=turns, gamma=1.0,
-        eps=0.0,
-    )  # fmt: skip
+    rewards, groups, step = torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), StepTerms(gamma=1.0)
+    adv = gigpo_advantages(rewards, groups, loss_mask=mask, turns=turns, step=step, eps=0.0)
     a = 1 / math.sqrt(2)  # (1 - 0.5) / std([1, 0]) = 0.5 / 0.7071
     # row 0: turn 0 at S is anchored alone (row 1 has no turns) -> step 0; the same for turn 1
     want = torch.tensor([[0, a, 0, a, 0], [0, -a, -a, 0, 0]], dtype=torch.float32)
@@ -267,9 +268,10 @@ def test_nonpositive_self_loops_take_the_positive_part_off_a_bump():
     mask[0, [1, 3]] = 1
     mask[1, [1, 3, 5]] = 1
     mask[2, [1, 3]] = 1
-    kw = dict(loss_mask=mask, turns=turns, gamma=0.5, step_weight=0.1, eps=0.0)
-    keep = gigpo_advantages(rewards, groups, **kw)
-    clamp = gigpo_advantages(rewards, groups, **kw, self_loops="nonpositive")
+    kw = dict(loss_mask=mask, turns=turns, eps=0.0)
+    step = StepTerms(gamma=0.5, weight=0.1)
+    keep = gigpo_advantages(rewards, groups, **kw, step=step)
+    clamp = gigpo_advantages(rewards, groups, **kw, step=replace(step, self_loops="nonpositive"))
     # GRPO's episode advantage: rewards 1, 1, 0 -> mean 2/3, unbiased std 1/sqrt(3)
     ep = (1 - 2 / 3) * math.sqrt(3)  # +0.57735 for A and B, -1.1547 for C
     # Anchor S: A0 0.5, B0 0.25, B1 0.5, C0 0, C1 0 (C fails: all returns 0). mean 0.25,
@@ -292,7 +294,7 @@ def test_nonpositive_self_loops_take_the_positive_part_off_a_bump():
     mask_other[1, 1] = False
     torch.testing.assert_close(tc[mask_other], tk[mask_other])
     with pytest.raises(ValueError, match="self_loops"):
-        gigpo_advantages(rewards, groups, **kw, self_loops="clip")
+        gigpo_advantages(rewards, groups, **kw, step=replace(step, self_loops="clip"))
 
 
 def test_self_loop_advantage_needs_a_turn_estimator():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gyre.config import ConfigError, load_config
-from gyre.envs.maze import MOVES, MazeEnv, bfs_distances, parse_action
+from gyre.envs.maze import MOVES, MazeEnv, Teacher, bfs_distances, parse_action
 
 CONFIGS = [
     {"size": 5, "wall_density": 0.3, "min_distance": 4, "budget_factor": 2.0},
@@ -460,7 +460,7 @@ def test_evaluation_reports_the_bump_fraction(tokenizer):
 def test_greedy_demonstrator_never_bumps_and_solves_about_sixty_percent():
     wins = 0
     for seed in range(300):
-        env, done = MazeEnv(demonstrator="greedy"), False
+        env, done = MazeEnv(teacher=Teacher("greedy")), False
         env.reset(seed)
         while not done:
             gr, gc = env.goal
@@ -488,7 +488,9 @@ def test_lookahead_demonstrator_skips_a_dead_end_that_greedy_enters():
     greedy goes left, lookahead down (ties in the order u, d, l, r). In a dead end both take
     the only move, the way out; the goal itself is never treated as a dead end."""
     walls = _hand_walls()
-    env = {d: MazeEnv(demonstrator=d, view=2, observation="exits") for d in ("greedy", "lookahead")}
+    env = {
+        d: MazeEnv(view=2, observation="exits", teacher=Teacher(d)) for d in ("greedy", "lookahead")
+    }
     for e in env.values():
         e.walls, e.goal, e.pos = walls, (0, 0), (2, 2)
     assert env["greedy"].expert_action(None) == "l"
@@ -504,7 +506,7 @@ def test_lookahead_demonstrator_never_bumps_and_beats_greedy():
     wins = {"greedy": 0, "lookahead": 0}
     for d in wins:
         for seed in range(300):
-            env, done = MazeEnv(demonstrator=d, view=2, observation="exits"), False
+            env, done = MazeEnv(view=2, observation="exits", teacher=Teacher(d)), False
             env.reset(seed)
             while not done:
                 _, _, done, info = env.step(env.expert_action(None))
@@ -517,7 +519,7 @@ def test_lookahead_demonstrator_never_bumps_and_beats_greedy():
 
 def test_unknown_demonstrator_rejected():
     with pytest.raises(ValueError, match="demonstrator"):
-        MazeEnv(demonstrator="oracle")
+        MazeEnv(teacher=Teacher("oracle"))
 
 
 TEACHERS = ("lookahead", "careful")
@@ -529,7 +531,7 @@ def test_careful_demonstrator_prefers_unvisited_cells_and_solves_about_ninety_pe
     closer and visited, down (3, 2) farther and new: lookahead goes right, careful down. On
     300 mazes it never bumps and solves far more than lookahead (1,000 held-out: 92.8 %)."""
     walls = _hand_walls()  # the goal cell is no wall: (0, 4) is free like (0, 0)
-    env = {d: MazeEnv(demonstrator=d, view=2, observation="exits") for d in TEACHERS}
+    env = {d: MazeEnv(view=2, observation="exits", teacher=Teacher(d)) for d in TEACHERS}
     for e in env.values():
         e.walls, e.goal, e.pos, e.visited = walls, (0, 4), (2, 2), {(2, 2), (2, 3)}
     assert env["lookahead"].expert_action(None) == "r"
@@ -538,7 +540,7 @@ def test_careful_demonstrator_prefers_unvisited_cells_and_solves_about_ninety_pe
     assert env["careful"].expert_action(None) == "r"
     wins = 0
     for seed in range(300):
-        e, done = MazeEnv(demonstrator="careful", view=2, observation="exits"), False
+        e, done = MazeEnv(view=2, observation="exits", teacher=Teacher("careful")), False
         e.reset(seed)
         while not done:
             _, _, done, info = e.step(e.expert_action(None))
@@ -584,7 +586,7 @@ def test_mixed_teacher_draws_each_turns_demonstrator_with_its_probability():
     draws, one rng draw a turn; an empty mix never touches the rng (old demonstrations stay
     bit-identical); on 300 mazes the mixed teacher sits between its two rules."""
     walls = _hand_walls()
-    env = MazeEnv(demonstrator="lookahead", demonstrator_mix={"careful": 0.3})
+    env = MazeEnv(teacher=Teacher("lookahead", {"careful": 0.3}))
     env.walls, env.goal, env.pos, env.visited = walls, (0, 4), (2, 2), {(2, 2), (2, 3)}
     rng = np.random.default_rng(0)
     moves = [env.expert_action(rng) for _ in range(4000)]
@@ -592,7 +594,7 @@ def test_mixed_teacher_draws_each_turns_demonstrator_with_its_probability():
     assert moves.count("d") / 4000 == pytest.approx(0.3, abs=0.03)
     u = np.random.default_rng(0).random(4000)  # the same draws, in order
     assert moves == ["d" if x < 0.3 else "r" for x in u]
-    plain, rng = MazeEnv(demonstrator="lookahead"), np.random.default_rng(1)
+    plain, rng = MazeEnv(teacher=Teacher("lookahead")), np.random.default_rng(1)
     plain.walls, plain.goal, plain.pos, plain.visited = walls, (0, 4), (2, 2), env.visited
     plain.expert_action(rng)
     assert rng.random() == np.random.default_rng(1).random()  # no draw without a mix
@@ -600,7 +602,7 @@ def test_mixed_teacher_draws_each_turns_demonstrator_with_its_probability():
     def wins(mix: dict[str, float] | None, demonstrator: str = "greedy") -> float:
         rng, won = np.random.default_rng(0), 0
         for seed in range(300):
-            e, done = MazeEnv(demonstrator=demonstrator, demonstrator_mix=mix), False
+            e, done = MazeEnv(teacher=Teacher(demonstrator, mix)), False
             e.reset(seed)
             while not done:
                 _, _, done, info = e.step(e.expert_action(rng))
@@ -623,4 +625,4 @@ def test_a_bad_mixed_teacher_is_a_one_line_error(override, error):
     with pytest.raises(ConfigError, match=error):
         load_config(None, [override])
     with pytest.raises(ValueError, match="demonstrator_mix"):
-        MazeEnv(demonstrator_mix={"careful": 0.7, "greedy": 0.7})
+        MazeEnv(teacher=Teacher("shortest", {"careful": 0.7, "greedy": 0.7}))

@@ -325,7 +325,7 @@ def test_tiny_vlm_patch_size_keeps_the_language_models_draw(kind, tmp_path):
     from safetensors.torch import load_file
 
     from gyre.config import ConfigError
-    from gyre.envs.visual_maze import VisualMazeEnv
+    from gyre.envs.visual_maze import Drawing, VisualMazeEnv
     from gyre.models.vision_build import LMSize, create_tiny_vlm
 
     own = create_tiny_vlm(kind, tmp_path / "own", 3, LMSize())
@@ -342,7 +342,7 @@ def test_tiny_vlm_patch_size_keeps_the_language_models_draw(kind, tmp_path):
     assert not torch.equal(a[lm_keys[0]], third[lm_keys[0]])  # another seed, another draw
     if kind == "qwen3_vl":
         _, tok = load_vlm(other, torch.device("cpu"))
-        env = VisualMazeEnv(MazeEnv(), cell_px=16, pad_to=16, view="agent")
+        env = VisualMazeEnv(MazeEnv(), Drawing(cell_px=16, pad_to=16, view="agent"))
         env.reset(0)
         assert vision_of(tok).num_tokens(env.pixels()) == 81  # 9 x 9 cells around the agent
     with pytest.raises(ValueError, match=r"patch_size"):

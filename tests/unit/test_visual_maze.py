@@ -13,8 +13,8 @@ import pytest
 from gyre.config import ConfigError, load_config
 from gyre.envs import env_factory
 from gyre.envs.base import Demonstrator, MessageEnv, is_message_env
-from gyre.envs.maze import MOVES, MazeEnv
-from gyre.envs.visual_maze import COLOURS, VisualMazeEnv, render_maze
+from gyre.envs.maze import MOVES, MazeEnv, Teacher
+from gyre.envs.visual_maze import COLOURS, Drawing, VisualMazeEnv, render_maze
 from gyre.telemetry.frames import (
     frame_strip,
     message_images,
@@ -102,7 +102,7 @@ def test_pixels_are_deterministic_per_seed():
 )
 def test_cells_are_drawn_in_their_colours(cell_px, pad_to, size, draw_visited):
     env = VisualMazeEnv(
-        MazeEnv(size=size), cell_px=cell_px, pad_to=pad_to, draw_visited=draw_visited
+        MazeEnv(size=size), Drawing(cell_px=cell_px, pad_to=pad_to, draw_visited=draw_visited)
     )
     rng = np.random.default_rng(0)
     for seed in range(6):
@@ -136,7 +136,7 @@ def test_agent_view_is_the_grid_shifted_to_the_agent(size, radius, cell_px, pad_
     """view=agent: window cell (i, j) shows grid cell (r - k + i, c - k + j) for the agent at
     (r, c), walls outside the grid; the agent always sits in the centre cell."""
     env = VisualMazeEnv(
-        MazeEnv(size=size), cell_px=cell_px, pad_to=pad_to, view="agent", radius=radius
+        MazeEnv(size=size), Drawing(cell_px=cell_px, pad_to=pad_to, view="agent", radius=radius)
     )
     k = radius or size - 1
     n = 2 * k + 1
@@ -159,12 +159,12 @@ def test_agent_view_is_the_grid_shifted_to_the_agent(size, radius, cell_px, pad_
                 break
             img = _pixels(env.step(env.random_action(rng))[0])
     # the rules are untouched: the same moves give the grid view's rewards
-    grid = VisualMazeEnv(MazeEnv(size=size), cell_px=cell_px, pad_to=pad_to)
+    grid = VisualMazeEnv(MazeEnv(size=size), Drawing(cell_px=cell_px, pad_to=pad_to))
     assert "centred on you" in _text(env.reset(3)) and "centred" not in _text(grid.reset(3))
     for move in "uulrddx":
         assert env.step(move)[1:] == grid.step(move)[1:]
     with pytest.raises(ValueError, match="view"):
-        VisualMazeEnv(view="ego")
+        Drawing(view="ego")
     with pytest.raises(ConfigError, match=r"env\.visual_maze\.view"):
         load_config(None, ["env.name=visual_maze", "env.visual_maze.view=ego"])
     ego = _make(
@@ -182,14 +182,14 @@ def test_agent_on_the_goal_shows_both():
         if done:
             break
     assert info["success"] and r == 1.0 and _text(msgs) == "You reached the goal."
-    img, (gr, gc), px = _pixels(msgs), env.maze.goal, env.cell_px
+    img, (gr, gc), px = _pixels(msgs), env.maze.goal, env.drawing.cell_px
     assert tuple(img[gr * px + px // 2, gc * px + px // 2]) == COLOURS["agent"]
     assert tuple(img[gr * px, gc * px]) == COLOURS["goal"]  # the cell's corner
 
 
 def test_grid_lines_leave_cell_centres_alone():
-    plain = VisualMazeEnv(grid_lines=False)
-    lined = VisualMazeEnv(grid_lines=True)
+    plain = VisualMazeEnv(drawing=Drawing(grid_lines=False))
+    lined = VisualMazeEnv(drawing=Drawing(grid_lines=True))
     a, b = _pixels(plain.reset(2)), _pixels(lined.reset(2))
     assert not np.array_equal(a, b)
     assert tuple(b[0, 0]) == COLOURS["line"]
@@ -205,8 +205,13 @@ def test_every_maze_setting_reaches_the_inner_maze():
     text = env_factory(load_config(None, ["env.name=maze", *overrides]).env)()
     fields = load_config(None, overrides).env.maze.model_dump()
     assert fields["size"] == 7 and fields["observation"] == "exits"
-    for name in fields:  # each env.maze.* field is a MazeEnv attribute of the same name
-        assert getattr(visual.maze, name) == getattr(text, name) == fields[name], name
+
+    def setting(maze: MazeEnv, name: str) -> object:
+        teacher = {"demonstrator": maze.teacher.name, "demonstrator_mix": maze.teacher.mix}
+        return teacher[name] if name in teacher else getattr(maze, name)
+
+    for name in fields:  # each env.maze.* field is a MazeEnv setting (the teacher's: its Teacher)
+        assert setting(visual.maze, name) == setting(text, name) == fields[name], name
 
 
 def test_same_moves_same_rewards_as_the_text_maze():
@@ -216,7 +221,7 @@ def test_same_moves_same_rewards_as_the_text_maze():
     m = cfg.env.maze
     visual = env_factory(cfg.env)()
     text = MazeEnv(
-        m.size, m.wall_density, m.min_distance, m.budget_factor, demonstrator=m.demonstrator
+        m.size, m.wall_density, m.min_distance, m.budget_factor, teacher=Teacher(m.demonstrator)
     )
     for seed in [*range(40), *range(HELD_OUT, HELD_OUT + 10)]:
         ep_v = _play(visual, seed, noise=0.4, rng_seed=seed)
@@ -291,7 +296,7 @@ def test_config_builds_and_bounds():
     with pytest.raises(ConfigError, match=r"env\.kwargs"):
         load_config(None, ["env.name=visual_maze", "env.kwargs={size: 5}"])
     with pytest.raises(ValueError, match="cell_px"):
-        VisualMazeEnv(cell_px=0)
+        Drawing(cell_px=0)
 
 
 def test_default_image_needs_no_resize_by_qwen_vl_processors():
@@ -301,7 +306,7 @@ def test_default_image_needs_no_resize_by_qwen_vl_processors():
     for cell_px, unit in ((14, 28), (16, 32)):
         proc = qwen.Qwen2VLImageProcessorPil(patch_size=cell_px, merge_size=2)
         for size in range(5, 10):
-            env = VisualMazeEnv(MazeEnv(size=size), cell_px=cell_px, pad_to=unit)
+            env = VisualMazeEnv(MazeEnv(size=size), Drawing(cell_px=cell_px, pad_to=unit))
             side = env.image_side
             assert qwen.smart_resize(side, side, factor=unit) == (side, side)
             out = proc(images=message_images(env.reset(size)), return_tensors="np")
@@ -339,7 +344,7 @@ def test_gymnasium_registration():
     via_module = gym.make("gyre.envs.gym_visual:gyre/VisualMaze-v0", cell_px=16, pad_to=32)
     assert via_module.observation_space.shape == (96, 96, 3)
     ego = gym.make("gyre/VisualMaze-v0", cell_px=8, pad_to=16, view="agent")
-    ego_env = VisualMazeEnv(cell_px=8, pad_to=16, view="agent")
+    ego_env = VisualMazeEnv(drawing=Drawing(cell_px=8, pad_to=16, view="agent"))
     assert np.array_equal(ego.reset(seed=2)[0], _pixels(ego_env.reset(2)))
     assert np.array_equal(ego.step(0)[0], _pixels(ego_env.step("u")[0]))
     with pytest.raises(ValueError, match="Discrete"):

@@ -10,7 +10,7 @@ from chat_helpers import AddEnv, ScriptedEngine, build_chat_tokenizer
 from gyre.algos import AdvantageInputs, AdvantageSettings, Turns, compute_advantages
 from gyre.config import load_config, load_recipe
 from gyre.engines.torch_engine import TorchEngine
-from gyre.envs.maze import MazeEnv
+from gyre.envs.maze import MazeEnv, Teacher
 from gyre.rollout.chat import ChatMode, ChatTemplate
 from gyre.rollout.demonstrate import demonstrate
 from gyre.rollout.episodes import run_episodes
@@ -128,7 +128,7 @@ def test_chat_window_renders_the_windowed_conversation():
 def test_demonstrations_carry_the_windowed_turns(bpe):
     """SFT samples under a window: one per turn, prompt = the window, mask = the teacher's move
     (0 on a random one)."""
-    env = lambda: MazeEnv(observation="exits", view=2, demonstrator="greedy")  # noqa: E731
+    env = lambda: MazeEnv(observation="exits", view=2, teacher=Teacher("greedy"))  # noqa: E731
     rng = np.random.default_rng(0)
     nl = bpe.encode("\n", add_special_tokens=False)
     d = demonstrate(env, bpe, 11, 0.5, rng, terminator=nl, window=Window(0, False))

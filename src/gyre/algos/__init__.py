@@ -13,6 +13,7 @@ from gyre.algos.advantages import (
     AdvantageInputs,
     AdvantageSettings,
     Estimator,
+    Whitening,
     compute_advantages,
     dr_grpo_advantages,
     gae_advantages,
@@ -50,7 +51,7 @@ from gyre.algos.terms import (
     rollout_is_term,
     value_term,
 )
-from gyre.algos.turns import Turns, gigpo_advantages, turn_returns_advantages
+from gyre.algos.turns import StepTerms, Turns, gigpo_advantages, turn_returns_advantages
 
 __all__ = [
     "ADVANTAGES",
@@ -63,7 +64,9 @@ __all__ = [
     "Estimator",
     "LossParams",
     "StepCounts",
+    "StepTerms",
     "Turns",
+    "Whitening",
     "agg_weights",
     "aggregate",
     "cispo_loss",

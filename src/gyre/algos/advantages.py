@@ -6,14 +6,16 @@ Two kinds, both in the one registry:
   ``fn(rewards (N,), group_ids (N,), *, eps) -> (N,)`` -- ``grpo``, ``dr_grpo``, ``rloo``.
 - **token** estimators need the loss mask and give one advantage per token:
   ``fn(rewards (N,), group_ids (N,), *, loss_mask (N, T), token_rewards (N, T) | None, ...)
-  -> (N, T)`` -- ``reinforce_pp``, ``reinforce_pp_baseline``, ``gae`` (which also returns the
-  value targets), and the turn-level ``gigpo`` and ``turn_returns`` (:mod:`gyre.algos.turns`),
-  which also read the trajectories' turns.
+  -> (N, T)`` -- ``reinforce_pp``, ``reinforce_pp_baseline``, ``gae`` (which reads the mask,
+  the token rewards and a value model's values as one :class:`AdvantageInputs`, and also
+  returns the value targets), and the turn-level ``gigpo`` (its step-level knobs one
+  :class:`~gyre.algos.turns.StepTerms`) and ``turn_returns`` (:mod:`gyre.algos.turns`), which
+  also read the trajectories' turns.
 
-:func:`compute_advantages` calls any of them with the same keyword bundle, so the training loop
-does not branch on the name. To add one: write the function and add its :class:`Estimator`
-record (the function, its level, what it reads) to :data:`ESTIMATORS`. The formulas and papers
-are in docs/algorithms.md.
+:func:`compute_advantages` calls any of them with what its record says it reads, so the
+training loop does not branch on the name. To add one: write the function and add its
+:class:`Estimator` record (the function, its level, what it reads) to :data:`ESTIMATORS`. The
+formulas and papers are in docs/algorithms.md.
 
 Token convention (see gyre.types): position t of a row holds token t; ``loss_mask[t] == 1`` on
 policy-written tokens. In a multi-turn episode the observation tokens between turns are not
@@ -31,7 +33,7 @@ import torch
 
 from gyre.algos.groups import group_stats, grpo_advantages
 from gyre.algos.registry import lookup
-from gyre.algos.turns import Turns, gigpo_advantages, turn_returns_advantages
+from gyre.algos.turns import StepTerms, Turns, gigpo_advantages, turn_returns_advantages
 
 
 def dr_grpo_advantages(
@@ -169,29 +171,38 @@ def reinforce_pp_baseline_advantages(
     )
 
 
+@dataclass(frozen=True)
+class Whitening:
+    """How :func:`masked_whiten` whitens: ``(x - mean) / (std + eps)``, ``std`` population
+    (OpenRLHF) or unbiased (verl)."""
+
+    eps: float = 1e-8
+    std: str = "population"
+
+
 def gae_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     *,
-    loss_mask: torch.Tensor,
-    values: torch.Tensor,
-    token_rewards: torch.Tensor | None = None,
+    inputs: AdvantageInputs,
     gamma: float = 1.0,
     lam: float = 1.0,
-    whiten: bool = True,
-    eps: float = 1e-8,
-    whiten_std: str = "population",
+    whiten: Whitening | None = Whitening(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2016, arXiv:1506.02438) for PPO with a value model.
 
+    Reads ``inputs.loss_mask``, ``inputs.values`` and ``inputs.token_rewards`` (optional).
     Over the policy tokens of each row (in order; observation tokens are skipped):
     delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1}, with V = 0 after
     the last policy token. ``values[:, t]`` is V of the state before token t. Returns
     (advantages (N, T), returns (N, T) = A + V, the value targets, computed before whitening).
-    With ``whiten`` the advantages are whitened over the batch's policy tokens with the
-    ``whiten_std`` std (population: OpenRLHF; unbiased: verl; see :func:`masked_whiten`).
+    The advantages are then whitened over the batch's policy tokens as ``whiten`` says (None:
+    not whitened; see :func:`masked_whiten`).
     """
-    r = _kl_shaped(rewards, loss_mask, token_rewards)
+    loss_mask, values = inputs.loss_mask, inputs.values
+    if loss_mask is None or values is None:
+        raise ValueError("gae needs inputs.loss_mask and inputs.values (a value model's)")
+    r = _kl_shaped(rewards, loss_mask, inputs.token_rewards)
     values = values.float() * loss_mask
     N, T = r.shape
     next_v = torch.zeros(N, device=r.device)
@@ -205,8 +216,8 @@ def gae_advantages(
         next_v = torch.where(m, values[:, t], next_v)
         adv[:, t] = torch.where(m, a, torch.zeros_like(a))
     returns = (adv + values) * loss_mask
-    if whiten:
-        adv = masked_whiten(adv, loss_mask, eps, whiten_std)
+    if whiten is not None:
+        adv = masked_whiten(adv, loss_mask, whiten.eps, whiten.std)
     return adv, returns
 
 
@@ -327,17 +338,19 @@ def compute_advantages(
         return est.fn(rewards, group_ids, eps=s.eps), None
     if x.loss_mask is None:
         raise ValueError(f"advantage estimator {name!r} needs the loss mask (token level)")
-    kw: dict[str, Any] = {"loss_mask": x.loss_mask, "gamma": s.gamma}
-    if est.needs_turns:
-        kw |= {"turns": x.turns, "eps": s.eps, "self_loops": s.self_loops}
-    else:
-        kw["token_rewards"] = x.token_rewards
+    if est.needs_values:
+        if x.values is None:
+            raise ValueError(f"advantage estimator {name!r} needs values from a value model")
+        whiten = Whitening(std=s.whiten_std)
+        return est.fn(rewards, group_ids, inputs=x, gamma=s.gamma, lam=s.lam, whiten=whiten)
+    kw: dict[str, Any] = {"loss_mask": x.loss_mask}
     if est.step_terms:
-        kw |= {"step_weight": s.step_weight, "step_norm": s.step_norm}
+        step = StepTerms(s.gamma, s.step_weight, s.step_norm, s.self_loops)
+        kw |= {"turns": x.turns, "step": step, "eps": s.eps}
+    elif est.needs_turns:
+        kw |= {"turns": x.turns, "gamma": s.gamma, "eps": s.eps, "self_loops": s.self_loops}
+    else:
+        kw |= {"token_rewards": x.token_rewards, "gamma": s.gamma}
     if est.whitens:
         kw["whiten_std"] = s.whiten_std
-    if not est.needs_values:
-        return est.fn(rewards, group_ids, **kw), None
-    if x.values is None:
-        raise ValueError(f"advantage estimator {name!r} needs values from a value model")
-    return est.fn(rewards, group_ids, values=x.values, lam=s.lam, **kw)
+    return est.fn(rewards, group_ids, **kw), None

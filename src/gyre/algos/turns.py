@@ -184,27 +184,36 @@ def gigpo_step_advantages(
     return out
 
 
+@dataclass(frozen=True)
+class StepTerms:
+    """GiGPO's step-level term (``train.algo.*``): the discount ``gamma`` of the turn returns,
+    the ``weight`` w of A^S, its normalisation ``norm`` (``std``, or ``none``: the anchor mean
+    only) and what a self-loop gets (``self_loops``; see the module docstring)."""
+
+    gamma: float = 0.95
+    weight: float = 1.0
+    norm: str = "std"
+    self_loops: str = "keep"
+
+
 def gigpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     *,
     loss_mask: torch.Tensor,
     turns: Turns | None = None,
-    gamma: float = 0.95,
-    step_weight: float = 1.0,
-    step_norm: str = "std",
+    step: StepTerms = StepTerms(),
     eps: float = 1e-6,
-    self_loops: str = "keep",
 ) -> torch.Tensor:
-    """GiGPO: GRPO's episode advantage plus ``step_weight`` x the anchor-state step advantage,
-    on each turn's tokens (``self_loops``: see the module docstring). Returns (N, T)."""
+    """GiGPO: GRPO's episode advantage plus ``step.weight`` x the anchor-state step advantage,
+    on each turn's tokens. Returns (N, T)."""
     turns = _check(turns, len(rewards), "gigpo")
-    _check_self_loops(self_loops)
+    _check_self_loops(step.self_loops)
     rewards = rewards.float().cpu()
     episode = grpo_advantages(rewards, group_ids, eps)
-    step = gigpo_step_advantages(rewards, group_ids, turns, gamma, eps, step_norm)
-    scaled = [[step_weight * a for a in row] for row in step]
-    if self_loops == "keep":
+    a_step = gigpo_step_advantages(rewards, group_ids, turns, step.gamma, eps, step.norm)
+    scaled = [[step.weight * a for a in row] for row in a_step]
+    if step.self_loops == "keep":
         return _spread(scaled, turns, episode, loss_mask)
     total = [[float(episode[i]) + a for a in row] for i, row in enumerate(scaled)]
     return _spread(_clamp_self_loops(total, turns), turns, episode, loss_mask, add_base=False)

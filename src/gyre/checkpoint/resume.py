@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
@@ -385,42 +385,30 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------------
     def save(
-        self,
-        phase: Literal["sft", "grpo"],
-        step: int,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        optimizer: torch.optim.Optimizer,
-        state: Mapping[str, Any],
-        metrics_path: Path,
-        scheduler: Any = None,
-        generators: Mapping[str, Any] | None = None,
-        extra: Callable[[Path], None] | None = None,
+        self, model: torch.nn.Module, tokenizer: Any, snap: Snapshot, metrics_path: Path
     ) -> str | None:
-        """Write a checkpoint (recording the metrics file's durable size) and prune old ones.
+        """Write ``snap`` (its ``phase``: ``sft`` or ``grpo``) with the run's config, recording
+        the metrics file's durable size, and prune old checkpoints.
 
-        ``extra(folder)`` writes additional files into the staged folder before the manifest.
+        ``snap.extra(folder)`` writes additional files into the staged folder before the
+        manifest.
 
         Returns its path, or None when the write failed and ``checkpoint.on_error=continue``.
         """
+        phase, step = snap.phase, snap.step
         prefix = SFT_PREFIX if phase == "sft" else GRPO_PREFIX
-        full = {**state, "metrics_offset": durable_size(metrics_path)}
-        writers = [w for w in (extra, *self.also_write) if w is not None]
+        writers = [w for w in (snap.extra, *self.also_write) if w is not None]
 
         def write_more(folder: Path) -> None:
             for w in writers:
                 w(folder)
 
-        snap = Snapshot(
-            step,
-            full,
-            optimizer,
-            scheduler,
-            generators,
-            self.config,
-            self.config_hash,
-            phase,
-            write_more if writers else None,
+        snap = replace(
+            snap,
+            state={**snap.state, "metrics_offset": durable_size(metrics_path)},
+            config=self.config,
+            config_hash=self.config_hash,
+            extra=write_more if writers else None,
         )
         t0 = time.perf_counter()
         try:

@@ -142,20 +142,15 @@ def load_into(
 # -- compatibility helpers (run-dir based, the pre-manifest API) -------------------------------
 def save_checkpoint(
     run_dir: Path,
-    step: int,
     model: torch.nn.Module,
     tokenizer: Any,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
+    snap: Snapshot,
     keep: int,
     keep_every: int = 0,
-    scheduler: Any = None,
-    generators: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save a GRPO checkpoint under ``<run_dir>/checkpoints`` and apply retention."""
     store = CheckpointStore(checkpoint_dir(run_dir))
-    snap = Snapshot(step, dict(state), optimizer, scheduler, generators)
-    path = save(store, f"{GRPO_PREFIX}{step:06d}", model, tokenizer, snap)
+    path = save(store, f"{GRPO_PREFIX}{snap.step:06d}", model, tokenizer, snap)
     store.prune(GRPO_PREFIX, keep, keep_every)
     return Path(path)
 

@@ -17,7 +17,7 @@ from gyre.envs.arithmetic import ArithmeticEnv
 from gyre.envs.base import Demonstrator, Env
 from gyre.envs.data_files import load_tasks
 from gyre.envs.dataset import DatasetEnv, DatasetMessageEnv, load_jsonl_tasks, message_tasks
-from gyre.envs.maze import MazeEnv
+from gyre.envs.maze import MazeEnv, Teacher
 from gyre.envs.visual import image_env_factory
 from gyre.plugins import ENV_REGISTRY, load_object
 
@@ -30,6 +30,7 @@ __all__ = [
     "Demonstrator",
     "Env",
     "MazeEnv",
+    "Teacher",
     "env_factory",
     "load_jsonl_tasks",
     "load_tasks",

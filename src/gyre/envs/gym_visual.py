@@ -28,7 +28,7 @@ import numpy as np
 
 from gyre.config.visual import VisualMazeConfig
 from gyre.envs.maze import MOVES, MazeConfig, MazeEnv
-from gyre.envs.visual_maze import render_maze
+from gyre.envs.visual_maze import Drawing, render_maze
 
 try:
     import gymnasium
@@ -57,14 +57,14 @@ class VisualMazeGymEnv(gymnasium.Env):
         maze = MazeConfig(**{k: v for k, v in kwargs.items() if k in MAZE_KEYS})
         render = VisualMazeConfig(**{k: v for k, v in kwargs.items() if k in RENDER_KEYS})
         self.maze = MazeEnv(maze.size, maze.wall_density, maze.min_distance, maze.budget_factor)
-        self.render_kw = render.model_dump(include=set(RENDER_KEYS))
+        self.drawing = Drawing(**render.model_dump(include=set(RENDER_KEYS)))
         self.render_mode = render_mode
-        side = render_maze(self.maze, **self.render_kw).shape[0]
+        side = render_maze(self.maze, self.drawing).shape[0]
         self.observation_space = spaces.Box(0, 255, (side, side, 3), dtype=np.uint8)
         self.action_space = spaces.Discrete(len(ACTION_MOVES))
 
     def _obs(self) -> np.ndarray:
-        return render_maze(self.maze, **self.render_kw)
+        return render_maze(self.maze, self.drawing)
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None

@@ -61,7 +61,8 @@ episode also ends when the budget is spent.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,37 @@ DEMONSTRATORS = ("shortest", "greedy", "lookahead", "careful")
 def _check_choice(name: str, value: str, allowed: Any) -> None:
     if value not in allowed:
         raise ValueError(f"maze {name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """The maze's SFT demonstrator: ``name``'s move each turn or, with ``mix``, another
+    demonstrator drawn per turn with its probability (the rest of the probability goes to
+    ``name``); the names are those of ``DEMONSTRATORS`` (see :meth:`MazeEnv.expert_action`)."""
+
+    name: str = "shortest"
+    mix: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mix", dict(self.mix or {}))  # a copy; None: no mix
+        _check_choice("demonstrator", self.name, DEMONSTRATORS)
+        for name, p in self.mix.items():
+            _check_choice("demonstrator_mix key", name, DEMONSTRATORS)
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"maze demonstrator_mix[{name!r}] must lie in [0, 1], got {p}")
+        if sum(self.mix.values()) > 1.0 + 1e-9:
+            raise ValueError(f"maze demonstrator_mix {self.mix} sums to more than 1")
+
+    def pick(self, rng: np.random.Generator) -> str:
+        """This turn's demonstrator: one ``rng`` draw when there is a mix, none otherwise."""
+        if not self.mix:
+            return self.name
+        u, acc = rng.random(), 0.0
+        for other, p in self.mix.items():
+            acc += p
+            if u < acc:
+                return other
+        return self.name
 
 
 def parse_action(text: str) -> str | None:
@@ -129,8 +161,7 @@ class MazeEnv:
         budget_factor: float = 2.0,
         view: int = 1,
         observation: str = "compass",
-        demonstrator: str = "shortest",
-        demonstrator_mix: dict[str, float] | None = None,
+        teacher: Teacher | None = None,
     ) -> None:
         if size < 2:
             raise ValueError(f"maze size must be at least 2, got {size}")
@@ -145,17 +176,9 @@ class MazeEnv:
             raise ValueError(
                 f"the exits observation looks one or two moves ahead (view=1 or 2), got view={view}"
             )
-        _check_choice("demonstrator", demonstrator, DEMONSTRATORS)
         self.view = view
         self.observation = observation
-        self.demonstrator = demonstrator
-        self.demonstrator_mix = dict(demonstrator_mix or {})
-        for name, p in self.demonstrator_mix.items():
-            _check_choice("demonstrator_mix key", name, DEMONSTRATORS)
-            if not 0.0 <= p <= 1.0:
-                raise ValueError(f"maze demonstrator_mix[{name!r}] must lie in [0, 1], got {p}")
-        if sum(self.demonstrator_mix.values()) > 1.0 + 1e-9:
-            raise ValueError(f"maze demonstrator_mix {self.demonstrator_mix} sums to more than 1")
+        self.teacher = teacher if teacher is not None else Teacher()
         self.blocked = False  # the last move went into a wall (info["invalid"])
         self.visited: set[tuple[int, int]] = set()
         self.walls = np.zeros((size, size), dtype=bool)
@@ -167,7 +190,9 @@ class MazeEnv:
     @classmethod
     def from_config(cls, cfg: MazeConfig) -> MazeEnv:
         """The maze a run's ``env.maze`` section describes."""
-        return cls(**cfg.model_dump())
+        fields = cfg.model_dump()
+        teacher = Teacher(fields.pop("demonstrator"), fields.pop("demonstrator_mix"))
+        return cls(**fields, teacher=teacher)
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, seed: int) -> None:
@@ -314,9 +339,8 @@ class MazeEnv:
 
     # -- demonstrations -------------------------------------------------------------------------
     def expert_action(self, rng: np.random.Generator) -> str:
-        """The demonstrator's move (``demonstrator=``), or with ``demonstrator_mix`` one
-        demonstrator drawn per turn (one ``rng`` draw a turn; the rest of the probability goes
-        to ``demonstrator``).
+        """The teacher's move (:class:`Teacher`): its demonstrator's or, with a mix, that of
+        one demonstrator drawn per turn (one ``rng`` draw a turn).
 
         ``shortest``: a move along a shortest path. Ties go to the move that also shrinks the
         larger of the row/column offsets to the goal, then to the order u, d, l, r
@@ -324,15 +348,7 @@ class MazeEnv:
         neighbour that is a dead end (no open move onward, and not the goal) comes last.
         ``careful``: lookahead, and among the moves left an unvisited cell comes first.
         """
-        name = self.demonstrator
-        if self.demonstrator_mix:
-            u, acc = rng.random(), 0.0
-            for other, p in self.demonstrator_mix.items():
-                acc += p
-                if u < acc:
-                    name = other
-                    break
-        return self.move_of(name)
+        return self.move_of(self.teacher.pick(rng))
 
     def move_of(self, demonstrator: str) -> str:
         """One demonstrator's move here (a name of ``DEMONSTRATORS``), no draw."""

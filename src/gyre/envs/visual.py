@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from gyre.envs.base import MessageEnv
 from gyre.envs.maze import MazeEnv
-from gyre.envs.visual_maze import VisualMazeEnv
+from gyre.envs.visual_maze import Drawing, VisualMazeEnv
 
 if TYPE_CHECKING:  # gyre.config imports gyre.envs.maze for its env section
     from gyre.config import EnvConfig
@@ -24,21 +24,11 @@ def image_env_factory(cfg: EnvConfig) -> Callable[[], MessageEnv]:
         m, v = cfg.maze, cfg.visual_maze
 
         def make_visual_maze() -> VisualMazeEnv:
-            # every env.maze.* field is a MazeEnv argument of the same name: the rules stay the
-            # text maze's whatever fields the section gains
+            # MazeEnv.from_config reads every env.maze.* field: the rules stay the text maze's
             maze = MazeEnv.from_config(m)
+            drawing = Drawing(v.cell_px, v.pad_to, v.draw_visited, v.grid_lines, v.view, v.radius)
             return VisualMazeEnv(
-                maze,
-                v.cell_px,
-                v.pad_to,
-                v.draw_visited,
-                v.grid_lines,
-                v.feedback,
-                v.text_observation,
-                v.view,
-                v.radius,
-                v.image_last,
-                v.describe,
+                maze, drawing, v.feedback, v.text_observation, v.image_last, v.describe
             )
 
         make_visual_maze()

@@ -31,6 +31,7 @@ observation line, e.g. ``d3l2 d.R l.L r.UD>``), then the move: ``d3l2 d.R l.L r.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,23 +61,47 @@ def pil_image(pixels: np.ndarray) -> Any:
     return Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8), mode="RGB")
 
 
-def render_maze(
-    maze: MazeEnv,
-    cell_px: int = 14,
-    pad_to: int = 28,
-    draw_visited: bool = True,
-    grid_lines: bool = False,
-    view: str = "grid",
-    radius: int = 0,
-) -> np.ndarray:
-    """The maze's current state as an ``(H, W, 3)`` uint8 image; see the module docstring.
+@dataclass(frozen=True)
+class Drawing:
+    """How a maze is drawn (the ``env.visual_maze`` keys of the same names; see the module
+    docstring).
 
     ``view="agent"`` draws the ``(2 * radius + 1)``-cell square centred on the agent instead of
     the grid (cells outside the grid in the wall colour; ``radius=0``: ``size - 1``, so the
     whole maze is in view wherever the agent stands)."""
+
+    cell_px: int = 14
+    pad_to: int = 28
+    draw_visited: bool = True
+    grid_lines: bool = False
+    view: str = "grid"
+    radius: int = 0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.cell_px <= 64:
+            raise ValueError(f"env.visual_maze.cell_px must lie in [2, 64], got {self.cell_px}")
+        if self.pad_to < 0:
+            raise ValueError(f"env.visual_maze.pad_to must be >= 0, got {self.pad_to}")
+        if self.view not in ("grid", "agent"):
+            raise ValueError(f"env.visual_maze.view must be 'grid' or 'agent', got {self.view!r}")
+        if self.radius < 0:
+            raise ValueError(f"env.visual_maze.radius must be >= 0, got {self.radius}")
+
+    def image_side(self, size: int) -> int:
+        """The image's height and width in pixels for a ``size x size`` maze."""
+        cells = 2 * (self.radius or size - 1) + 1 if self.view == "agent" else None
+        side = (cells or size) * self.cell_px
+        return -(-side // self.pad_to) * self.pad_to if self.pad_to else side
+
+
+def render_maze(maze: MazeEnv, drawing: Drawing | None = None) -> np.ndarray:
+    """The maze's current state as an ``(H, W, 3)`` uint8 image, drawn as ``drawing`` says
+    (default: :class:`Drawing`'s defaults); see the module docstring."""
+    d = drawing if drawing is not None else Drawing()
+    cell_px, pad_to, view, radius = d.cell_px, d.pad_to, d.view, d.radius
     grid = np.empty((maze.size, maze.size, 3), dtype=np.uint8)
     grid[:] = COLOURS["free"]
-    if draw_visited:
+    if d.draw_visited:
         for r, c in maze.visited:
             grid[r, c] = COLOURS["visited"]
     grid[maze.walls] = COLOURS["wall"]
@@ -96,7 +121,7 @@ def render_maze(
         n, cells, agent = maze.size, grid, maze.pos
     # (n, n, 3) -> (n * cell_px, n * cell_px, 3): every cell a solid square
     img = np.repeat(np.repeat(cells, cell_px, axis=0), cell_px, axis=1)
-    if grid_lines:
+    if d.grid_lines:
         img[::cell_px, :] = COLOURS["line"]
         img[:, ::cell_px] = COLOURS["line"]
     inset = max(1, cell_px // 4) if cell_px >= 4 else 0
@@ -120,51 +145,26 @@ class VisualMazeEnv:
     def __init__(
         self,
         maze: MazeEnv | None = None,
-        cell_px: int = 14,
-        pad_to: int = 28,
-        draw_visited: bool = True,
-        grid_lines: bool = False,
+        drawing: Drawing | None = None,
         feedback: bool = True,
         text_observation: bool = False,
-        view: str = "grid",
-        radius: int = 0,
         image_last: bool = False,
         describe: bool = False,
     ) -> None:
-        if not 2 <= cell_px <= 64:
-            raise ValueError(f"env.visual_maze.cell_px must lie in [2, 64], got {cell_px}")
-        if pad_to < 0:
-            raise ValueError(f"env.visual_maze.pad_to must be >= 0, got {pad_to}")
-        if view not in ("grid", "agent"):
-            raise ValueError(f"env.visual_maze.view must be 'grid' or 'agent', got {view!r}")
-        if radius < 0:
-            raise ValueError(f"env.visual_maze.radius must be >= 0, got {radius}")
         self.maze = maze if maze is not None else MazeEnv()
-        self.cell_px, self.pad_to = cell_px, pad_to
-        self.draw_visited, self.grid_lines = draw_visited, grid_lines
+        self.drawing = drawing if drawing is not None else Drawing()
         self.feedback, self.text_observation = feedback, text_observation
-        self.view, self.radius = view, radius
         self.image_last = image_last
         self.describe = describe
 
     @property
     def image_side(self) -> int:
         """The image's height and width in pixels (fixed for a configuration)."""
-        cells = 2 * (self.radius or self.maze.size - 1) + 1 if self.view == "agent" else None
-        side = (cells or self.maze.size) * self.cell_px
-        return -(-side // self.pad_to) * self.pad_to if self.pad_to else side
+        return self.drawing.image_side(self.maze.size)
 
     def pixels(self) -> np.ndarray:
         """The current state as an ``(H, W, 3)`` uint8 array."""
-        return render_maze(
-            self.maze,
-            self.cell_px,
-            self.pad_to,
-            self.draw_visited,
-            self.grid_lines,
-            self.view,
-            self.radius,
-        )
+        return render_maze(self.maze, self.drawing)
 
     def _message(self, text: str, maze_text: str) -> list[Message]:
         if self.text_observation:
@@ -179,8 +179,8 @@ class VisualMazeEnv:
 
     def intro(self) -> str:
         """The opening text: what the colours mean, the budget and the action format."""
-        visited = ", visited cells light blue" if self.draw_visited else ""
-        centred = " (the picture is centred on you)" if self.view == "agent" else ""
+        visited = ", visited cells light blue" if self.drawing.draw_visited else ""
+        centred = " (the picture is centred on you)" if self.drawing.view == "agent" else ""
         reply = (
             "Say what you see (the goal's offset, then the open moves), then one move"
             if self.describe

@@ -22,6 +22,7 @@ Padding is on the right and the model reads its score at the last non-pad token 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, fields
 from typing import Any
 
 _CACHE: dict[tuple[str, str, str], tuple[Any, Any]] = {}
@@ -59,30 +60,45 @@ def load_reward_model(path: str, device: str = "cpu", dtype: str = "float32") ->
         return model, tok
 
 
-def reward_model(
-    prompts: list[str],
-    completions: list[str],
-    path: str = "",
-    device: str = "cpu",
-    dtype: str = "float32",
-    batch_size: int = 16,
-    max_length: int = 2048,
-    label: int = 0,
-    prob: bool = False,
-    chat_template: bool = False,
-    **columns: Any,
-) -> list[float]:
-    """One score per (prompt, completion), in batches of ``batch_size`` on ``device``."""
+@dataclass(frozen=True)
+class RewardModelSettings:
+    """The kwargs of :func:`reward_model` (``reward.functions[*].kwargs``); see the module
+    docstring."""
+
+    path: str = ""  # a local sequence-classification folder (required)
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch_size: int = 16
+    max_length: int = 2048  # tokens of prompt + completion; longer texts are truncated
+    label: int = 0  # the output read as the score
+    prob: bool = False  # its softmax probability instead of its logit
+    chat_template: bool = False  # render a user/assistant conversation, not prompt + completion
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> RewardModelSettings:
+        """The settings among a reward call's kwargs (the task's columns come with them)."""
+        return cls(**{f.name: kwargs[f.name] for f in fields(cls) if f.name in kwargs})
+
+
+def reward_model(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """One score per (prompt, completion); ``kwargs``: the :class:`RewardModelSettings` fields
+    (``path`` required), and the task's columns, which it does not read."""
+    return score_texts(prompts, completions, RewardModelSettings.from_kwargs(kwargs))
+
+
+def score_texts(prompts: list[str], completions: list[str], s: RewardModelSettings) -> list[float]:
+    """One score per (prompt, completion), in batches of ``s.batch_size`` on ``s.device``."""
     import torch
 
-    if not path:
+    if not s.path:
         raise ValueError("reward_model: set kwargs.path to a local sequence-classification folder")
-    model, tok = load_reward_model(path, device, dtype)
+    model, tok = load_reward_model(s.path, s.device, s.dtype)
+    label, batch_size = s.label, s.batch_size
     if not 0 <= label < model.config.num_labels:
         raise ValueError(
             f"reward_model: label {label} out of range for {model.config.num_labels} labels"
         )
-    if chat_template:
+    if s.chat_template:
         texts = [
             tok.apply_chat_template(
                 [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
@@ -101,9 +117,9 @@ def reward_model(
                 return_tensors="pt",
                 padding=True,
                 truncation=True,
-                max_length=max_length,
+                max_length=s.max_length,
             ).to(dev)
             logits = model(**enc).logits.float()  # (B, num_labels)
-            col = logits.softmax(-1)[:, label] if prob else logits[:, label]
+            col = logits.softmax(-1)[:, label] if s.prob else logits[:, label]
             scores.extend(col.cpu().tolist())
     return scores

@@ -92,6 +92,10 @@ def _stuck_in_a_collective(ranks: list[Any], pending: list[Any]) -> None:
         rank, f = faults[0]
         late = ", ".join(str(ranks.index(p)) for p in pending)
         raise PeerFault(
-            "collective", f.stage, f"trainer rank {late}", f.waited_s, f.key,
-            f"rank {rank} timed out in a collective that rank {late} never reached",
-        )  # fmt: skip
+            "collective",
+            f.stage,
+            f"trainer rank {late}",
+            waited_s=f.waited_s,
+            key=f.key,
+            detail=f"rank {rank} timed out in a collective that rank {late} never reached",
+        )

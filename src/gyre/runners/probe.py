@@ -34,9 +34,12 @@ LOGPROBS_KEY = "__gyre_probe_logprobs__"  # (n-1,) float64: the trainer's prompt
 
 
 def with_probe(
-    cfg: Config, state: dict[str, torch.Tensor], model: torch.nn.Module, tokenizer: Any,
+    cfg: Config,
+    state: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    tokenizer: Any,
     version: int,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """``state`` plus the trainer's probe at ``version`` when this version is checked."""
     every = cfg.engine.verify_every
     if not every or version % every or cfg.engine.kind != "torch":

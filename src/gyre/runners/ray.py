@@ -67,8 +67,9 @@ from gyre.runners.placement import (  # noqa: F401 - names this module has alway
 )
 from gyre.runners.ray_site import ActorSite, placement_group, ray, remove_placement_group
 from gyre.runners.rollout_pool import RolloutPool
-from gyre.runners.scheduler import BUFFER_FILE, Group, ShareScheduler, read_buffer
+from gyre.runners.scheduler import BUFFER_FILE, ShareScheduler, read_buffer
 from gyre.runners.trainer_group import TrainerGroup, TrainerGroupFailed
+from gyre.runners.traj_log import TrajectoryLog
 from gyre.telemetry import MetricsSink
 from gyre.telemetry.factory import Telemetry
 from gyre.types import Trajectory
@@ -93,8 +94,14 @@ def connect_ray(cfg: Config) -> bool:
         raise  # a bad address or missing package: the user's to fix, said as it is
     except Exception as exc:  # a raylet or GCS that did not start in time: a bare Exception
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PeerFault("worker", "Ray start-up", f"the Ray cluster at {address}",
-                        time.monotonic() - t0, "ray.address", first) from exc  # fmt: skip
+        raise PeerFault(
+            "worker",
+            "Ray start-up",
+            f"the Ray cluster at {address}",
+            waited_s=time.monotonic() - t0,
+            key="ray.address",
+            detail=first,
+        ) from exc
     return True
 
 
@@ -131,9 +138,14 @@ class RayPlacement:
             )
 
     def start(
-        self, run_dir: Path, policy: Path, ref: Path, plan: ResumePlan, out: Telemetry,
+        self,
+        run_dir: Path,
+        policy: Path,
+        ref: Path,
+        plan: ResumePlan,
+        out: Telemetry,
         ckpt: Checkpointer,
-    ) -> None:  # fmt: skip
+    ) -> None:
         cfg = self.cfg
         cfg.run.dir = str(run_dir.resolve())  # actors on other nodes need an absolute path
         torch.set_num_threads(1)  # the driver only schedules (SFT, if any, ran before)
@@ -160,7 +172,7 @@ class RayPlacement:
         nodes = NodeWatch(ray, lost_deadline_s(cfg))
         self.site = ActorSite(cfg, self.pg, self.waits, nodes, actor_prefix(cfg), out)
         self.counters = self.site.counters
-        self.traj_log = run_dir / "trajectories.jsonl"
+        self.traj_log = TrajectoryLog(run_dir / "trajectories.jsonl")
         self.wait_s, self.dropped_since, self.t_last = 0.0, 0, time.perf_counter()
         # what fresh actors load, and the KL reference
         self.pool = RolloutPool(self.site, rollout_bundle, ref)
@@ -174,10 +186,17 @@ class RayPlacement:
         first = finalized // self.share_size
         dapo = self.cfg.train.dapo
         return ShareScheduler(
-            self.cfg.train.tasks_per_step, self.share_size, self.ahead, self.cfg.ray.max_staleness,
-            next_share=first, consumed_share=first, finalized=finalized, dropped=dropped,
-            filtered=filtered, max_rounds=dapo.max_rounds if dapo.dynamic_sampling else 0,
-        )  # fmt: skip
+            tasks_per_step=self.cfg.train.tasks_per_step,
+            tasks_per_share=self.share_size,
+            ahead=self.ahead,
+            max_staleness=self.cfg.ray.max_staleness,
+            next_share=first,
+            consumed_share=first,
+            finalized=finalized,
+            dropped=dropped,
+            filtered=filtered,
+            max_rounds=dapo.max_rounds if dapo.dynamic_sampling else 0,
+        )
 
     def _restore(self, checkpoint: Path | None) -> dict[str, Any]:
         """(Re)build the trainer group from ``checkpoint`` (None: the initial policy) and put
@@ -199,13 +218,7 @@ class RayPlacement:
         self.pool.sched.restore_buffer(read_buffer(checkpoint), f"{checkpoint}/{BUFFER_FILE}")
         policy = checkpoint / "model" if checkpoint else self.init_path
         self.group.start(policy, checkpoint, self.pool.epoch)
-        if self.traj_log.exists():  # lines past the checkpoint will be trained again
-            keep = [
-                line
-                for line in self.traj_log.read_text().splitlines()
-                if json.loads(line)["step"] <= step
-            ]
-            self.traj_log.write_text("".join(f"{line}\n" for line in keep))
+        self.traj_log.truncate_after(step)  # lines past the checkpoint will be trained again
         return state
 
     def _restart_trainers(self, why: BaseException) -> None:
@@ -279,7 +292,7 @@ class RayPlacement:
             batch, dropped = got
             if batch:
                 break
-            self._log_trajectories(step, [], dropped)  # only unusable groups so far
+            self.traj_log.append(step, [], dropped)  # only unusable groups so far
             self.dropped_since += len(dropped)
             self.pool.sched.check_not_starving(step)
         self.batch, self.batch_dropped = batch, dropped
@@ -307,7 +320,7 @@ class RayPlacement:
         except TrainerGroupFailed as exc:
             self._restart_trainers(exc)  # raises RolledBack: back to the latest checkpoint
         self.pool.publish(weights, step, wait=False)
-        self._log_trajectories(step, groups, self.batch_dropped)
+        self.traj_log.append(step, groups, self.batch_dropped)
         self.dropped_since += len(self.batch_dropped)
         return m
 
@@ -345,22 +358,6 @@ class RayPlacement:
         if not (self.cfg.eval.episodes or self.cfg.eval.validation_episodes):
             return {}
         return self.pool.evaluate()
-
-    def _log_trajectories(self, step: int, trained: list[Group], dropped: list[Group]) -> None:
-        with self.traj_log.open("a") as f:
-            for status, groups in (("trained", trained), ("dropped", dropped)):
-                for g in groups:
-                    for t in g.trajs:
-                        row = {
-                            "step": step,
-                            "traj_id": t.traj_id,
-                            "status": status,
-                            "policy_version": t.policy_version,
-                            "staleness": step - 1 - t.policy_version,
-                            "reward": t.reward,
-                            "response_tokens": t.num_generated,
-                        }
-                        f.write(json.dumps(row) + "\n")
 
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre.config import Config
+from gyre.config.ray import RoleResources
 from gyre.runners.bounded import Waits
 from gyre.runners.nodes import NodeWatch
 from gyre.runners.placement import require_ray, user_module_path
@@ -48,8 +49,20 @@ class ActorSite:
     out: Telemetry
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RECOVERY_COUNTERS, 0))
 
-    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+    def actor(self, cls: Any, name: str, role: RoleResources, bundle: int) -> Any:
+        """``cls`` (a Ray actor class) as the actor ``name`` in ``bundle`` of the run's
+        placement group, with its role's CPUs and GPUs; ``.remote(...)`` starts it. Ray never
+        restarts it: gyre does, and counts it."""
+        return cls.options(
+            name=name,
+            num_cpus=role.num_cpus,
+            num_gpus=role.num_gpus,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=bundle
+            ),
+            runtime_env=self.env_vars(role.num_cpus),
+        )
 
     def env_vars(self, num_cpus: float) -> dict[str, Any]:
         """An actor's runtime env: its torch threads, the user's module path, fault injection."""

@@ -54,11 +54,8 @@ class RolloutPool:
         gen = self.gen[i]
         self.gen[i] += 1
         name = f"{site.prefix}-rollout-{i}" + (f"-r{gen}" if gen else "")
-        return self.cls.options(
-            name=name, num_cpus=r.rollout.num_cpus, num_gpus=r.rollout.num_gpus, max_restarts=0,
-            scheduling_strategy=site.strategy(self.bundles[i]),
-            runtime_env=site.env_vars(r.rollout.num_cpus),
-        ).remote(self.cfg, str(self.init_path), i)  # fmt: skip
+        actor = site.actor(self.cls, name, r.rollout, self.bundles[i])
+        return actor.remote(self.cfg, str(self.init_path), i)
 
     def replace(self, i: int, why: BaseException) -> None:
         """Worker ``i`` died: count it, start a replacement and give it the current weights."""
@@ -69,10 +66,12 @@ class RolloutPool:
         ray.kill(self.workers[i], no_restart=True)
         what = f"replacement rollout worker {i}"
         self.workers[i] = site.nodes.place(  # its bundle may wait for a replacement node
-            lambda _: [self._new_worker(i)],
-            lambda a, left: site.nodes.wait_placed(a[0].pid.remote(), what, left),
-            what, self.cfg.ray.replacement_wait_s, DIED,
-        )[0]  # fmt: skip
+            start=lambda _: [self._new_worker(i)],
+            probe=lambda a, left: site.nodes.wait_placed(a[0].pid.remote(), what, left),
+            what=what,
+            timeout_s=self.cfg.ray.replacement_wait_s,
+            died=DIED,
+        )[0]
         site.note_lost_nodes()
         if self.weights_ref is not None:
             self.workers[i].load_weights.remote(self.weights_ref, self.version)

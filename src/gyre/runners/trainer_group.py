@@ -52,21 +52,17 @@ class TrainerGroup:
         """Start every rank on ``policy_path`` (restoring ``checkpoint``) and join the group."""
         site, r = self.site, self.cfg.ray
         M = r.trainer_ranks
+        policy, ref = str(policy_path), str(self.ref_path)
+        resume = str(checkpoint) if checkpoint else None
 
         def start(attempt: int) -> list[Any]:
             again = f"-a{attempt}" if attempt else ""
-            return [
-                self.cls.options(
-                    name=f"{site.prefix}-trainer-{rank}-e{epoch}{again}",
-                    num_cpus=r.trainer.num_cpus, num_gpus=r.trainer.num_gpus, max_restarts=0,
-                    scheduling_strategy=site.strategy(self.bundles[rank]),
-                    runtime_env=site.env_vars(r.trainer.num_cpus),
-                ).remote(
-                    self.cfg, rank, M, str(policy_path), str(self.ref_path),
-                    str(checkpoint) if checkpoint else None,
-                )
-                for rank in range(M)
-            ]  # fmt: skip
+            trainers = []
+            for rank in range(M):
+                name = f"{site.prefix}-trainer-{rank}-e{epoch}{again}"
+                actor = site.actor(self.cls, name, r.trainer, self.bundles[rank])
+                trainers.append(actor.remote(self.cfg, rank, M, policy, ref, resume))
+            return trainers
 
         def probe(trainers: list[Any], left: float) -> None:
             w = site.nodes.wait_placed

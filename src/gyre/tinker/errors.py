@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class TinkerError(Exception):
     """An error answered to the client. ``status`` is the HTTP status when the request itself
@@ -29,3 +31,13 @@ class NotFound(TinkerError):
 
 class Unsupported(UserError):
     """A valid request this server does not implement; the message says why."""
+
+
+def required(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """``body[key]``, which must be present and of type ``kind`` (a :class:`UserError` naming
+    the field otherwise)."""
+    if key not in body or body[key] is None:
+        raise UserError(f"{key}: required")
+    if not isinstance(body[key], kind):
+        raise UserError(f"{key}: expected {getattr(kind, '__name__', kind)}, got {body[key]!r}")
+    return body[key]

@@ -195,11 +195,11 @@ def _sampling_routes(app: Any, service: TinkerService) -> None:
 
     @app.get(f"{V1}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str) -> Any:
-        return service.get_sampler(sampler_id)
+        return service.samplers.get(sampler_id)
 
     @app.post(f"{V1}/asample")
     async def asample(request: Request) -> Any:
-        rid, seq_ids = service.asample(await _body(request))
+        rid, seq_ids = service.samplers.asample(await _body(request))
         return future(rid, sample_sequence_ids=seq_ids)
 
     @app.post(f"{V1}/cancel_future")

@@ -1,4 +1,5 @@
-"""The Tinker service: sessions, training models, sampling sessions and their futures.
+"""The Tinker service: sessions, training models and their futures (sampling sessions and
+requests: :mod:`gyre.tinker.sampling`).
 
 Plain Python over dicts (the parsed JSON bodies of the SDK's requests); :mod:`server` is the
 HTTP glue. Validation that needs no model runs at once and fails the HTTP request; the work
@@ -7,8 +8,6 @@ itself runs on the future queue, and its errors come back from ``retrieve_future
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import threading
 import time
 import uuid
@@ -20,22 +19,15 @@ import torch
 from gyre.tinker import compute
 from gyre.tinker.config import TinkerServeConfig
 from gyre.tinker.custom_loss import CustomLoss, compile_custom_loss
-from gyre.tinker.errors import NotFound, UserError
+from gyre.tinker.errors import NotFound, UserError, required
 from gyre.tinker.futures import FutureQueue
+from gyre.tinker.sampling import Samplers
 from gyre.tinker.store import StateStore
 from gyre.tinker.tenants import BaseModelHost, LoraSpec, Tenant
-from gyre.tinker.wire import FwdBwdCall, encode_forward_backward_output, encode_sample_response
+from gyre.tinker.wire import FwdBwdCall, encode_forward_backward_output
 
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 ADAM_DEFAULTS = dict(zip(ADAM_KEYS, (1e-4, 0.9, 0.95, 1e-12, 0.0, 0.0), strict=True))
-
-
-def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    if key not in body or body[key] is None:
-        raise UserError(f"{key}: required")
-    if not isinstance(body[key], kind):
-        raise UserError(f"{key}: expected {getattr(kind, '__name__', kind)}, got {body[key]!r}")
-    return body[key]
 
 
 class TinkerService:
@@ -45,11 +37,9 @@ class TinkerService:
         self.futures = FutureQueue(cfg.result_ttl_s)
         self.sessions: dict[str, dict[str, Any]] = {}
         self.tenants: dict[str, Tenant] = {}
-        self.samplers: dict[str, dict[str, Any]] = {}
-        self._full_samplers: dict[str, torch.nn.Module] = {}
+        self.samplers = Samplers(cfg, host, self.store, self.futures)
         self.custom_losses: dict[str, tuple[str, CustomLoss]] = {}  # loss id -> (session, loss)
         self._lock = threading.Lock()
-        self._seeds = itertools.count()
         pad = host.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (host.tokenizer.eos_token_id or 0)
 
@@ -61,10 +51,7 @@ class TinkerService:
         return {"type": "create_session", "session_id": sid}
 
     def heartbeat(self, session_id: str) -> None:
-        with self._lock:
-            if session_id not in self.sessions:
-                raise NotFound(f"session_id: {session_id!r} is unknown (server restarted?)")
-            self.sessions[session_id]["seen"] = time.monotonic()
+        self._check_session(session_id)
 
     def finish_session(self, session_id: str) -> None:
         with self._lock:
@@ -91,22 +78,13 @@ class TinkerService:
             self._drop_session(s)
 
     def _check_session(self, session_id: str) -> None:
+        """A live session: marked seen now (a request counts as a heartbeat)."""
         with self._lock:
             if session_id not in self.sessions:
                 raise NotFound(f"session_id: {session_id!r} is unknown (server restarted?)")
             self.sessions[session_id]["seen"] = time.monotonic()
 
     # -- models -------------------------------------------------------------------------------
-    def names(self) -> set[str]:
-        names = {self.host.name, self.host.path, str(Path(self.host.path).resolve())}
-        return names | ({self.host.hub_id} if self.host.hub_id else set())
-
-    def _check_base(self, name: str, key: str = "base_model") -> None:
-        if name not in self.names():
-            raise UserError(
-                f"{key}: {name!r} is not served here; this server serves {self.host.name!r}"
-            )
-
     def capabilities(self) -> dict[str, Any]:
         model = {
             "model_name": self.host.name,
@@ -117,10 +95,10 @@ class TinkerService:
         return {"supported_models": [model]}
 
     def create_model(self, body: dict[str, Any]) -> str:
-        sid = _field(body, "session_id", str)
-        seq = _field(body, "model_seq_id", int)
+        sid = required(body, "session_id", str)
+        seq = required(body, "model_seq_id", int)
         self._check_session(sid)
-        self._check_base(_field(body, "base_model", str))
+        self.host.check_served(required(body, "base_model", str))
         opt = (body.get("optimizer_config") or {}).get("type", "adamw")
         if opt != "adamw":
             raise UserError(f"optimizer_config.type: only 'adamw' is supported, got {opt!r}")
@@ -175,8 +153,8 @@ class TinkerService:
     def create_custom_loss(self, body: dict[str, Any]) -> str:
         """Check an uploaded loss graph now (a bad one fails this request, naming the node) and
         keep it for the session; its id goes in ``loss_fn_config.loss_id``."""
-        sid = _field(body, "session_id", str)
-        seq = _field(body, "custom_loss_seq_id", int)
+        sid = required(body, "session_id", str)
+        seq = required(body, "custom_loss_seq_id", int)
         self._check_session(sid)
         loss = compile_custom_loss(body)
         loss_id = f"{sid}:loss:{seq}"
@@ -244,27 +222,27 @@ class TinkerService:
                 return {"type": "save_weights", "path": uri}
             out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": uri}
             if auto:  # save_weights_and_get_sampling_client: a sampling session on it
-                out["sampling_session_id"] = self._new_sampler(tenant.session_id, sampling_seq, uri)
+                out["sampling_session_id"] = self.samplers.new(tenant.session_id, sampling_seq, uri)
             return out
 
         return self.futures.submit(run, f"save {kind}")
 
     def load_weights(self, body: dict[str, Any]) -> str:
-        uri = _field(body, "path", str)
+        uri = required(body, "path", str)
         _, _, folder = self.store.resolve(uri)
         with_opt = bool(body.get("optimizer", False))
         if body.get("session_id") is not None:
-            sid = _field(body, "session_id", str)
+            sid = required(body, "session_id", str)
             self._check_session(sid)
-            model_id = f"{sid}:train:{_field(body, 'model_seq_id', int)}"
+            model_id = f"{sid}:train:{required(body, 'model_seq_id', int)}"
             if body.get("base_model"):
-                self._check_base(body["base_model"])
+                self.host.check_served(body["base_model"])
         else:
             model_id = self.tenant(body.get("model_id")).model_id
 
         def run() -> dict[str, Any]:
             meta, weights, opt_state = self.store.read(folder)
-            self._check_base(meta["base_model"], "path (its base model)")
+            self.host.check_served(meta["base_model"], "path (its base model)")
             tenant = self.tenants.get(model_id)
             spec = None if meta["lora"] is None else LoraSpec(**meta["lora"])
             if tenant is None:
@@ -285,82 +263,14 @@ class TinkerService:
         return self.futures.submit(run, "load_weights")
 
     # -- sampling -----------------------------------------------------------------------------
-    def _new_sampler(self, sid: str, seq: Any, model_path: str | None) -> str:
-        sampler_id = f"{sid}:sample:{seq if seq is not None else uuid.uuid4().hex[:8]}"
-        with self._lock:
-            self.samplers[sampler_id] = {"model_path": model_path}
-        return sampler_id
-
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
-        sid = _field(body, "session_id", str)
+        sid = required(body, "session_id", str)
         self._check_session(sid)
-        path = body.get("model_path")
-        if path:
-            self.store.resolve(path, "model_path")
-        else:
-            self._check_base(_field(body, "base_model", str))
-        sampler = self._new_sampler(sid, body.get("sampling_session_seq_id"), path)
-        return {"type": "create_sampling_session", "sampling_session_id": sampler}
-
-    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
-        if sampler_id not in self.samplers:
-            raise NotFound(f"sampler_id: {sampler_id!r} is unknown")
-        return {
-            "sampler_id": sampler_id,
-            "base_model": self.host.name,
-            "model_path": self.samplers[sampler_id]["model_path"],
-        }
-
-    def asample(self, body: dict[str, Any]) -> tuple[str, list[str]]:
-        n = body.get("num_samples", 1)
-        if not isinstance(n, int) or not 1 <= n <= 256:
-            raise UserError(f"num_samples: must be an integer in [1, 256], got {n!r}")
-        prompt = _prompt_ids(body.get("prompt"))
-        if body.get("sampling_session_id"):
-            path = self.get_sampler(body["sampling_session_id"])["model_path"]
-        else:
-            path = body.get("model_path")
-            if not path:
-                self._check_base(_field(body, "base_model", str))
-        folder = self.store.resolve(path, "model_path")[2] if path else None
-        request = {**body, "prompt_ids": prompt, "n": n}
-        request["sampling_params"] = body.get("sampling_params") or {}
-        seed = self.cfg.seed * 1_000_003 + next(self._seeds) * 1009
-        vocab = int(self.host.base.get_output_embeddings().weight.shape[0])
-        job = compute.check_sample(request, self.host.tokenizer, vocab, seed, self.cfg.max_context)
-
-        def run(jobs: list[compute.SampleJob]) -> list[bytes]:
-            module, context = self._sampling_module(folder)
-            done = compute.sample_batch(
-                module, context, self.host.tokenizer, jobs, self.cfg.sample_max_rows
-            )
-            return [
-                encode_sample_response(seqs, ps.logprobs, ps.topk, ps.targets, ps.alt)
-                for seqs, ps in done
-            ]
-
-        key = ("sample", str(folder), job.params, job.stop_texts)
-        rid = self.futures.submit_batchable(key, job, run, "sample")
-        return rid, [f"{rid}:{i}" for i in range(n)]
-
-    def _sampling_module(self, folder: Path | None) -> tuple[torch.nn.Module, Any]:
-        import contextlib
-
-        if folder is None:
-            return self.host.base_module()
-        meta, weights, _ = self.store.read(folder)
-        version = hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()[:16]
-        if meta["lora"] is not None:
-            return self.host.sampler_adapter(folder, version), contextlib.nullcontext()
-        if version not in self._full_samplers:
-            model, _ = self.host.full_copy()
-            model.load_state_dict(weights)
-            self._full_samplers = {version: model.requires_grad_(False)}  # keep the newest only
-        return self._full_samplers[version], contextlib.nullcontext()
+        return self.samplers.create(sid, body)
 
     # -- REST ---------------------------------------------------------------------------------
     def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
-        _, _, folder = self.store.resolve(_field(body, "tinker_path", str), "tinker_path")
+        _, _, folder = self.store.resolve(required(body, "tinker_path", str), "tinker_path")
         meta = self.store.read(folder)[0]
         lora = meta["lora"] or {}
         return {
@@ -393,20 +303,3 @@ class TinkerService:
             "last_sampler_checkpoint": (last["sampler"] or [None])[-1],
             "user_metadata": {str(k): str(v) for k, v in t.user_metadata.items()} or None,
         }
-
-
-def _prompt_ids(prompt: Any) -> list[int]:
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
-        raise UserError("prompt: expected a ModelInput ({'chunks': [...]})")
-    ids: list[int] = []
-    for i, chunk in enumerate(prompt["chunks"]):
-        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-            kind = chunk.get("type") if isinstance(chunk, dict) else type(chunk).__name__
-            raise UserError(f"prompt.chunks[{i}]: {kind} chunks are not supported (text only)")
-        tokens = chunk.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise UserError(f"prompt.chunks[{i}].tokens: expected a list of token ids")
-        ids += tokens
-    if not ids:
-        raise UserError("prompt: empty")
-    return ids

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,6 +116,16 @@ class BaseModelHost:
         self.hub_id = hub_id  # the hub id the base was resolved from (path: its cache folder)
         self.peft_model: Any = None  # created with the first LoRA tenant
         self._samplers: list[str] = []  # loaded sampler adapters, oldest first
+
+    def names(self) -> set[str]:
+        """The names a request may give the base model by: its name, path and hub id."""
+        names = {self.name, self.path, str(Path(self.path).resolve())}
+        return names | ({self.hub_id} if self.hub_id else set())
+
+    def check_served(self, name: str, key: str = "base_model") -> None:
+        """A :class:`UserError` on ``key`` unless ``name`` is this base model."""
+        if name not in self.names():
+            raise UserError(f"{key}: {name!r} is not served here; this server serves {self.name!r}")
 
     def add_lora(
         self, model_id: str, spec: LoraSpec

@@ -165,7 +165,7 @@ def token_logprobs(
     opts = options if options is not None else ScoringOptions()
     if (opts.pack or opts.chunk > 0) and not (with_entropy and entropy_grad):
         fast = chunked_token_logprobs(
-            model, batch.input_ids, batch.attention_mask, 0, temperature, top_p, opts, score_mask
+            model, batch.input_ids, batch.attention_mask, temperature, top_p, opts, score_mask
         )
         if fast is not None:
             tok, ent = fast

@@ -27,7 +27,7 @@ import torch
 from gyre.algos import Turns, get_estimator
 from gyre.algos.turns import self_loop_turns
 from gyre.checkpoint.resume import Checkpointer, check_parameters_finite
-from gyre.checkpoint.snapshot import load_into, seed_everything
+from gyre.checkpoint.snapshot import Snapshot, load_into, seed_everything
 from gyre.config import Config
 from gyre.models.build import load_pretrained
 from gyre.models.lora import AdapterDisabled, load_policy, trainable_parameters, trainable_state
@@ -240,18 +240,8 @@ class Trainer:
 
             return save_gathered(self, ckpt, step, state, metrics_path, generators)
         extra = self.value_model.save if self.value_model is not None else None
-        return ckpt.save(
-            "grpo",
-            step,
-            self.model,
-            self.tokenizer,
-            self.optimizer,
-            state,
-            metrics_path,
-            self.scheduler,
-            generators,
-            extra=extra,
-        )
+        snap = Snapshot(step, dict(state), self.optimizer, self.scheduler, generators, extra=extra)
+        return ckpt.save(self.model, self.tokenizer, snap, metrics_path)
 
     def _sharded(self) -> bool:
         return hasattr(self.comm, "mirror")  # FSDPCollective: parameters are DTensor shards

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gyre.checkpoint.resume import Checkpointer
+from gyre.checkpoint.snapshot import Snapshot
 
 
 def make_mirror(model: torch.nn.Module, rank: int) -> torch.nn.Module | None:
@@ -175,15 +176,6 @@ def save_gathered(
         return None
     mirror.load_state_dict(full)
     extra = trainer.value_model.save if trainer.value_model is not None else None
-    return ckpt.save(
-        "grpo",
-        step,
-        mirror,
-        trainer.tokenizer,
-        _Gathered(_indexed(optim)),
-        state,
-        metrics_path,
-        trainer.scheduler,
-        generators,
-        extra=extra,
-    )
+    optimizer = _Gathered(_indexed(optim))
+    snap = Snapshot(step, dict(state), optimizer, trainer.scheduler, generators, extra=extra)
+    return ckpt.save(mirror, trainer.tokenizer, snap, metrics_path)

@@ -56,6 +56,10 @@ from gyre.trainer.packing import (
 if TYPE_CHECKING:
     from gyre.config import PerfConfig
 
+# The id a packed or tree layout puts in its filler positions: no scored token attends to them
+# and none is scored, so any id does; 0 exists in every vocabulary.
+FILLER_ID = 0
+
 
 @dataclass(frozen=True)
 class ScoringOptions:
@@ -146,7 +150,6 @@ def chunked_token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
     options: ScoringOptions | None = None,
@@ -180,7 +183,7 @@ def chunked_token_logprobs(
     else:
         ids_in, mask_in, row_in = input_ids[:, :T_in], attention_mask[:, :T_in], b_idx
     lengths = [int(n) for n in in_len[keep].tolist()]
-    rows = _InputRows(ids_in, mask_in, lengths, row_in, t_idx, pad_token_id)
+    rows = _InputRows(ids_in, mask_in, lengths, row_in, t_idx)
     hidden, src_row, src_col = _predicting_states(model, decoder, opts, rows)
     h = gather_states(hidden, src_row, src_col)  # (N, H): the state that predicts (b, t)
     flat_tok, flat_ent = _score_states(h, input_ids[b_idx, t_idx], head, temperature, top_p, opts)
@@ -239,7 +242,6 @@ class _InputRows:
     lengths: list[int]
     row: torch.Tensor
     col: torch.Tensor
-    pad_token_id: int
 
 
 def _predicting_states(
@@ -248,7 +250,6 @@ def _predicting_states(
     """The decoder's last hidden states over the chosen layout -- tree-packed, packed or padded
     -- and, per scored position, the (row, column) of the state that predicts it."""
     ids_in, mask_in, lengths, row_in, t_idx = rows.ids, rows.mask, rows.lengths, rows.row, rows.col
-    pad_token_id = rows.pad_token_id
     B_in, T_in = ids_in.shape
     device = ids_in.device
     lean = lean_for(model, opts.lean)
@@ -265,7 +266,7 @@ def _predicting_states(
 
     tree = None
     if lean is not None and opts.share_prefix and B_in > 1:
-        tree = plan_tree(model, ids_in, lengths, pad_token_id, plain_or_packed)
+        tree = plan_tree(model, ids_in, lengths, FILLER_ID, plain_or_packed)
     if tree is not None:
         assert lean is not None
         dtype = lean.inner.embed_tokens.weight.dtype
@@ -278,7 +279,7 @@ def _predicting_states(
         src_col = torch.tensor([tree.loc_col[b][t - 1] for b, t in pairs], device=device)
         return hidden, src_row.long(), src_col.long()
     if plain_or_packed() != (B_in, T_in):
-        packed = pack_rows(ids_in, lengths, pad_token_id)
+        packed = pack_rows(ids_in, lengths, FILLER_ID)
         if lean is not None:
             dtype = lean.inner.embed_tokens.weight.dtype
             mask = lean.segment_mask(packed.position_ids, dtype)
