@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the locally built chat tokenizer and 
 from chat_helpers import AddEnv, build_chat_tokenizer  # noqa: E402
 from gyre.config.maze import MAZE_CHAT_SYSTEM  # noqa: E402
 from gyre.engines import TorchEngine  # noqa: E402
-from gyre.envs.maze import MazeEnv  # noqa: E402
+from gyre.envs.maze import MazeEnv, Teacher  # noqa: E402
 from gyre.envs.maze_chat import MazeChatEnv  # noqa: E402
 from gyre.rollout.chat import ChatMode, ChatTemplate  # noqa: E402
 from gyre.rollout.episodes import RolloutStats, run_episodes, stop_ids  # noqa: E402
@@ -79,7 +79,7 @@ class RawAddEnv:
 
 def _maze() -> MazeEnv:
     """The mazes of examples/smollm2-maze (5x5, the exits observation, a view of 2)."""
-    return MazeEnv(size=5, observation="exits", view=2, demonstrator="careful")
+    return MazeEnv(size=5, observation="exits", view=2, teacher=Teacher("careful"))
 
 
 def _message_env(args: argparse.Namespace, box: Toolbox) -> Any:
