@@ -1,10 +1,10 @@
 """The learning curve of a run as a small PNG: held-out greedy success at every evaluation and
 the training success of every GRPO step, from ``RUN_DIR/metrics.jsonl``.
 
-    python scripts/plot_curve.py RUN_DIR [--out docs/assets/default-curve.png]
+    python scripts/plot_curve.py RUN_DIR [--out PNG]   # default RUN_DIR/curve.png
 
-Needs matplotlib (the ``telemetry`` extra). The README's curve is this script's output for a
-run of ``gyre train run.threads=1``.
+Needs matplotlib (the ``telemetry`` extra). The README's curve, ``docs/assets/default-curve.png``,
+is this script's output for a run of ``gyre train run.threads=1``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,15 @@ def read_curve(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--out", type=Path, default=Path("docs/assets/default-curve.png"))
+    p.add_argument("--out", type=Path, help="the PNG to write (default: RUN_DIR/curve.png)")
     args = p.parse_args()
-    import matplotlib
+    out = args.out or args.run_dir / "curve.png"
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            "plot_curve: needs matplotlib, the telemetry extra: pip install -e '.[telemetry]'"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -50,9 +56,9 @@ def main() -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out)
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

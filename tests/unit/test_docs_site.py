@@ -6,7 +6,7 @@ Code blocks: a ``bash`` or ``python`` block must be preceded by ``<!-- test: fas
 the default suite, as written) or ``<!-- test: slow -->`` (run with ``GYRE_SLOW=1``). A page's
 blocks run in order in one scratch directory that links ``examples/`` and ``scripts/``, with
 ``gyre`` on the PATH. ``yaml`` blocks are validated as gyre configs. ``text`` blocks (commands
-for a cluster, output) are not run.
+that need a cluster or the network, output) are not run.
 """
 
 from __future__ import annotations
