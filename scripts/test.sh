@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/ruff check src tests bench
-.venv/bin/python -m pytest -q
+.venv/bin/python -m pytest -q --durations=25
