@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "http_engine.py"
 
 
+@pytest.mark.slow  # ~11 s: a bench smoke
 def test_http_bench_quick() -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--quick"],

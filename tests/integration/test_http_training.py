@@ -225,6 +225,7 @@ def test_killed_server_is_taken_out_and_the_other_carries_the_load(sft_dir, tmp_
         b.stop()
 
 
+@pytest.mark.slow  # ~27 s; a killed server taken out of rotation stays in the default suite
 def test_dead_server_comes_back_resynced(sft_dir, tmp_path, tokenizer):
     """Kill one of two servers mid-use, restart it on its port: it is put back, with the
     current adapter loaded before it gets any request."""

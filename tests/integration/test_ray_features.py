@@ -152,6 +152,7 @@ def test_dynamic_sampling_under_ray_trains_only_groups_with_variance(ray_cluster
     assert any(r["rollout/frac_groups_dropped"] > 0 for r in steps) == bool(dropped)
 
 
+@pytest.mark.slow  # 13-20 s; the feature's local run is in the default suite
 def test_http_engine_workers_follow_the_trainer(ray_cluster, warm, tmp_path):
     """Colocated with the server, which sleeps for each update and wakes before the weight load
     (the hand-over of one pool), while the trainer offloads its optimizer state."""
@@ -207,6 +208,7 @@ def test_default_placement_fits_two_cpus_and_fault_limits_stop_ray(
         assert [r["step"] for r in rows] == [1] and rows[0]["rollout/failed_episodes"] == 16
 
 
+@pytest.mark.slow  # 13-20 s; the feature's local run is in the default suite
 def test_nonfinite_parameters_stop_a_ray_run_like_a_local_one(ray_cluster, warm, tmp_path):
     """A learning rate that overflows the weights (train.lr=inf, which the config refuses, so it
     is set behind its back) makes the first optimizer step write nan/inf into them: the parameter
