@@ -42,16 +42,16 @@ TINY = [
 ]
 
 
-def test_a_wedged_rollout_actor_ends_the_run_as_a_named_worker_fault(tmp_path, capsys, caplog):
-    caplog.set_level(logging.WARNING, logger="gyre.deadlines")
+def _run_with_fault(fault: str, tmp_path, capsys, *overrides: str) -> tuple[int, float, str, str]:
+    """``gyre train`` of TINY on Ray with ``GYRE_FAULT=fault``: (exit code, seconds, the last
+    ``gyre:`` line of stderr, stderr)."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    marker = tmp_path / "wedged"
-    os.environ["GYRE_FAULT"] = f"rollout.share:pause=3600:{marker}"
+    os.environ["GYRE_FAULT"] = fault
     try:
         t0 = time.monotonic()
         short = tempfile.mkdtemp(prefix="gyr")  # Ray's socket paths must stay short
-        rc = main(["train", *TINY, f"run.dir={tmp_path / 'run'}", f"ray.temp_dir={short}",
-                   "faults.call_timeout_s=20", "faults.heartbeat_s=5"])  # fmt: skip
+        args = [*TINY, f"run.dir={tmp_path / 'run'}", f"ray.temp_dir={short}", *overrides]
+        rc = main(["train", *args])
         took = time.monotonic() - t0
     finally:
         del os.environ["GYRE_FAULT"]
@@ -59,6 +59,19 @@ def test_a_wedged_rollout_actor_ends_the_run_as_a_named_worker_fault(tmp_path, c
             ray.shutdown()
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if x.startswith("gyre:")][-1]
+    return rc, took, line, err
+
+
+def test_a_wedged_rollout_actor_ends_the_run_as_a_named_worker_fault(tmp_path, capsys, caplog):
+    caplog.set_level(logging.WARNING, logger="gyre.deadlines")
+    marker = tmp_path / "wedged"
+    rc, took, line, err = _run_with_fault(
+        f"rollout.share:pause=3600:{marker}",
+        tmp_path,
+        capsys,
+        "faults.call_timeout_s=20",
+        "faults.heartbeat_s=5",
+    )
     assert rc == 69, err[-2000:]
     assert marker.exists()  # the share did reach the worker and hang there
     assert line.startswith("gyre: worker fault: rollout: no answer from rollout workers 0 for 2")
@@ -73,23 +86,16 @@ def test_a_rank_that_never_reaches_the_update_collective_is_named(tmp_path, caps
     process group's timeout (``faults.startup_timeout_s``); the driver sees rank 1's call still
     running and stops the run as a collective fault naming rank 1, exit 69, long before
     ``faults.call_timeout_s``."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     marker = tmp_path / "wedged"
-    os.environ["GYRE_FAULT"] = f"trainer.update.rank1:pause=3600:{marker}"
     timeout_s = 60  # also the rendezvous's: room for two ranks starting on a loaded machine
-    try:
-        t0 = time.monotonic()
-        short = tempfile.mkdtemp(prefix="gyr")  # Ray's socket paths must stay short
-        rc = main(["train", *TINY, f"run.dir={tmp_path / 'run'}", f"ray.temp_dir={short}",
-                   "ray.trainer_ranks=2", f"faults.startup_timeout_s={timeout_s}",
-                   "faults.call_timeout_s=3600"])  # fmt: skip
-        took = time.monotonic() - t0
-    finally:
-        del os.environ["GYRE_FAULT"]
-        if ray.is_initialized():
-            ray.shutdown()
-    err = capsys.readouterr().err
-    line = [x for x in err.splitlines() if x.startswith("gyre:")][-1]
+    rc, took, line, err = _run_with_fault(
+        f"trainer.update.rank1:pause=3600:{marker}",
+        tmp_path,
+        capsys,
+        "ray.trainer_ranks=2",
+        f"faults.startup_timeout_s={timeout_s}",
+        "faults.call_timeout_s=3600",
+    )
     assert rc == 69, err[-2000:]
     assert marker.exists()  # rank 1 did reach the update and stop short of it
     assert line.startswith(
