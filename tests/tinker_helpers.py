@@ -22,7 +22,7 @@ class LocalTinker:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-        self.service.futures.close()
+        self.service.close()
 
 
 def start_in_process(state_dir: Path, **overrides: object) -> LocalTinker:

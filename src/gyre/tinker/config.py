@@ -2,7 +2,65 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gyre.config.ray import RoleResources
+
+
+class TinkerRayConfig(BaseModel):
+    """``runner=ray``: one trainer actor and ``sampler_workers`` sampler actors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field(
+        "",
+        description="'' starts a local Ray cluster (or joins RAY_ADDRESS when set); 'auto' or "
+        "'ray://host:10001' joins an existing one",
+    )
+    num_cpus: int = Field(0, ge=0, description="logical CPUs of a local cluster; 0 detects them")
+    namespace: str = Field("gyre-tinker", description="Ray namespace the actors are named in")
+    sampler_workers: int = Field(
+        1, ge=1, description="sampler actors, each with its own copy of the base model"
+    )
+    trainer: RoleResources = Field(
+        default_factory=RoleResources,
+        description="resources of the trainer actor (resources={tinker_trainer: 1} pins it to "
+        "nodes started with that resource)",
+    )
+    sampler: RoleResources = Field(
+        default_factory=RoleResources, description="resources of one sampler actor"
+    )
+    max_trainer_restarts: int = Field(
+        2,
+        ge=0,
+        description="times Ray replaces a trainer actor that died (state not saved with "
+        "save_state is lost; load_state from a save continues)",
+    )
+    max_sampler_restarts: int = Field(
+        8, ge=0, description="times Ray replaces each sampler actor that died"
+    )
+    call_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="longest wait for one actor call; past it the request fails naming the actor",
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="longest wait for the actors to start and load the base model"
+    )
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> TinkerRayConfig:
+        for role in ("trainer", "sampler"):
+            for name, amount in getattr(self, role).resources.items():
+                if name in ("CPU", "GPU", "memory") or amount <= 0:
+                    raise ValueError(
+                        f"ray.{role}.resources: '{name}: {amount:g}': custom resources are "
+                        "positive amounts of names other than CPU, GPU and memory (those are "
+                        f"ray.{role}.num_cpus / num_gpus)"
+                    )
+        return self
 
 
 class TinkerServeConfig(BaseModel):
@@ -51,26 +109,41 @@ class TinkerServeConfig(BaseModel):
         gt=0,
         description="a session without heartbeat for this long is closed and its models freed",
     )
+    runner: Literal["local", "ray"] = Field(
+        "local",
+        description="local: training and sampling in the server's process; ray: the trainer "
+        "and the samplers as Ray actors (state_dir must be a path every node shares)",
+    )
+    ray: TinkerRayConfig = Field(
+        default_factory=TinkerRayConfig, description="runner=ray: address, actors, resources"
+    )
 
 
 def load_tinker_config(overrides: list[str]) -> TinkerServeConfig:
     """The config from ``key=value`` strings; a bad key or value names the key."""
     from gyre.config import ConfigError
+    from gyre.config.loading import _set_dotted, _yaml_load
 
-    data: dict[str, str] = {}
+    data: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"'{item}' is not key=value")
         key, value = item.split("=", 1)
-        if key not in TinkerServeConfig.model_fields:
+        if key.split(".")[0] not in TinkerServeConfig.model_fields:
             valid = ", ".join(TinkerServeConfig.model_fields)
             raise ConfigError(f"unknown key '{key}' (valid: {valid})")
-        data[key] = value
+        if value.startswith("{"):  # a mapping: ray.trainer.resources={tinker_trainer: 1}
+            try:
+                value = _yaml_load(value)
+            except Exception:
+                raise ConfigError(f"{key}: {value!r} is not a mapping") from None
+        _set_dotted(data, key, value)
     try:
         return TinkerServeConfig.model_validate(data)
     except Exception as exc:
         errors = getattr(exc, "errors", lambda: [])()
         if errors:
             e = errors[0]
-            raise ConfigError(f"{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
+            msg = e["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"{'.'.join(map(str, e['loc']))}: {msg}") from None
         raise

@@ -1,8 +1,12 @@
 """Futures: every long request is queued now and its result retrieved later.
 
-One worker thread runs the queue in arrival order. The SDK sends a training client's requests
-one after another (each waits for the previous one's submission), so arrival order is its
-``seq_id`` order, and work on one model always runs in the order the client issued it.
+One worker thread runs the queue in arrival order. A queue may have several *lanes*, each
+with its own jobs and worker threads (``runner: ray``: training on a lane of one worker, so its
+order is kept; sampling on a lane of one worker per sampler actor, since a sample reads only
+saved, frozen weights); a queue with one lane is the plain single-worker queue. The SDK
+sends a training client's requests one after another (each waits for the previous one's
+submission), so arrival order is its ``seq_id`` order, and work on one model always runs in
+the order the client issued it.
 Batchable jobs (samples from the same frozen weights with the same sampling parameters) that
 stand next to each other at the head of the queue run as one batch: they read no state that
 other jobs change, so this reorders nothing observable. A result waits for
@@ -52,18 +56,29 @@ class Job:
 
 
 class FutureQueue:
-    def __init__(self, ttl_s: float, max_batch: int = 64) -> None:
+    def __init__(
+        self, ttl_s: float, max_batch: int = 64, lanes: dict[str, int] | None = None
+    ) -> None:
+        """``lanes``: lane name -> worker threads (default: one lane ``main``, one worker)."""
         self.ttl_s, self.max_batch = ttl_s, max_batch
-        self._jobs: deque[Job] = deque()
+        lanes = lanes or {"main": 1}
+        self._jobs: dict[str, deque[Job]] = {lane: deque() for lane in lanes}
         self._ready = threading.Condition()
         self._closed = False
         self._pending: dict[str, Pending] = {}
         self._lock = threading.Lock()
-        self._worker = threading.Thread(target=self._run, name="tinker-worker", daemon=True)
-        self._worker.start()
+        self._workers = [
+            threading.Thread(target=self._run, args=(lane,), name=f"tinker-{lane}", daemon=True)
+            for lane, n in lanes.items()
+            for _ in range(n)
+        ]
+        for worker in self._workers:
+            worker.start()
 
-    def submit(self, fn: Callable[[], dict[str, Any] | bytes], name: str = "job") -> str:
-        return self.submit_batchable(None, None, lambda items: [fn()], name)
+    def submit(
+        self, fn: Callable[[], dict[str, Any] | bytes], name: str = "job", lane: str = "main"
+    ) -> str:
+        return self.submit_batchable(None, None, lambda items: [fn()], name, lane)
 
     def submit_batchable(
         self,
@@ -71,15 +86,17 @@ class FutureQueue:
         item: Any,
         fn: Callable[[list[Any]], list[Any]],
         name: str = "job",
+        lane: str = "main",
     ) -> str:
-        """Queue ``fn([item, ...])``; with a ``key``, neighbours of the same key join one call."""
+        """Queue ``fn([item, ...])`` on ``lane``; with a ``key``, neighbours of the same key
+        join one call."""
         request_id = uuid.uuid4().hex
         with self._lock:
             self._evict()
             self._pending[request_id] = Pending()
         with self._ready:
-            self._jobs.append(Job(request_id, fn, item, key, name))
-            self._ready.notify()
+            self._jobs[lane].append(Job(request_id, fn, item, key, name))
+            self._ready.notify_all()
         return request_id
 
     def wait(self, request_id: str, timeout: float) -> Result | None:
@@ -92,7 +109,7 @@ class FutureQueue:
     def close(self) -> None:
         with self._ready:
             self._closed = True
-            self._ready.notify()
+            self._ready.notify_all()
 
     def _evict(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
@@ -100,25 +117,21 @@ class FutureQueue:
         for k in stale:
             del self._pending[k]
 
-    def _next(self) -> list[Job] | None:
+    def _next(self, lane: str) -> list[Job] | None:
+        jobs = self._jobs[lane]
         with self._ready:
-            while not self._jobs and not self._closed:
+            while not jobs and not self._closed:
                 self._ready.wait()
             if self._closed:
                 return None
-            batch = [self._jobs.popleft()]
+            batch = [jobs.popleft()]
             key = batch[0].key
-            while (
-                key is not None
-                and self._jobs
-                and self._jobs[0].key == key
-                and len(batch) < self.max_batch
-            ):
-                batch.append(self._jobs.popleft())
+            while key is not None and jobs and jobs[0].key == key and len(batch) < self.max_batch:
+                batch.append(jobs.popleft())
             return batch
 
-    def _run(self) -> None:
-        while (batch := self._next()) is not None:
+    def _run(self, lane: str) -> None:
+        while (batch := self._next(lane)) is not None:
             start = time.perf_counter()
             try:
                 payloads = batch[0].fn([job.item for job in batch])

@@ -4,6 +4,10 @@ A sampling session names what it samples from: the base model, or weights saved 
 (``save_weights_for_sampler``: a LoRA adapter, or a full copy of the model). A request is
 checked at once (a bad one fails the HTTP request) and queued on the future queue as a
 batchable job: requests on the same weights with the same sampling parameters run as one batch.
+
+:class:`SampleWork` runs a batch where a base model lives: the server's own
+(``runner: local``), or a sampler Ray actor's copy, which reads the saved weights from the
+shared ``state_dir`` (``runner: ray``, :mod:`gyre.tinker.ray_backend`).
 """
 
 from __future__ import annotations
@@ -23,20 +27,60 @@ from gyre.tinker.config import TinkerServeConfig
 from gyre.tinker.errors import NotFound, UserError, required
 from gyre.tinker.futures import FutureQueue
 from gyre.tinker.store import StateStore
-from gyre.tinker.tenants import BaseModelHost
+from gyre.tinker.tenants import BaseModelHost, ModelCard
 from gyre.tinker.wire import encode_sample_response
+
+
+class SampleWork:
+    """Sampling batches on one copy of the base model (plus the saved weights they name)."""
+
+    def __init__(self, cfg: TinkerServeConfig, host: BaseModelHost) -> None:
+        self.cfg, self.host = cfg, host
+        self._full: dict[str, torch.nn.Module] = {}  # the newest full-weights sampler
+
+    def sample(self, folder: Path | None, jobs: list[compute.SampleJob]) -> list[bytes]:
+        """One batch of jobs that share their sampling parameters, on the weights of
+        ``folder`` (None: the base model); one encoded ``SampleResponse`` per job."""
+        module, context = self._module(folder)
+        done = compute.sample_batch(
+            module, context, self.host.tokenizer, jobs, self.cfg.sample_max_rows
+        )
+        return [
+            encode_sample_response(seqs, ps.logprobs, ps.topk, ps.targets, ps.alt)
+            for seqs, ps in done
+        ]
+
+    def _module(self, folder: Path | None) -> tuple[torch.nn.Module, Any]:
+        if folder is None:
+            return self.host.base_module()
+        meta, weights, _ = StateStore.read(folder)
+        version = hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()[:16]
+        if meta["lora"] is not None:
+            return self.host.sampler_adapter(folder, version), contextlib.nullcontext()
+        if version not in self._full:
+            model, _ = self.host.full_copy()
+            model.load_state_dict(weights)
+            self._full = {version: model.requires_grad_(False)}  # keep the newest only
+        return self._full[version], contextlib.nullcontext()
 
 
 class Samplers:
     """The sampling sessions (id -> the saved weights they sample, None: the base model) and
-    the ``asample`` requests."""
+    the ``asample`` requests, queued on ``lane`` and run by ``work`` (a :class:`SampleWork`,
+    or the Ray backend's pool of sampler actors)."""
 
     def __init__(
-        self, cfg: TinkerServeConfig, host: BaseModelHost, store: StateStore, futures: FutureQueue
+        self,
+        cfg: TinkerServeConfig,
+        card: ModelCard,
+        store: StateStore,
+        futures: FutureQueue,
+        work: Any,
+        lane: str = "main",
     ) -> None:
-        self.cfg, self.host, self.store, self.futures = cfg, host, store, futures
+        self.cfg, self.host, self.store, self.futures = cfg, card, store, futures
+        self.work, self.lane = work, lane
         self.sessions: dict[str, dict[str, Any]] = {}
-        self._full: dict[str, torch.nn.Module] = {}  # the newest full-weights sampler
         self._lock = threading.Lock()
         self._seeds = itertools.count()
 
@@ -82,35 +126,13 @@ class Samplers:
         request = {**body, "prompt_ids": prompt, "n": n}
         request["sampling_params"] = body.get("sampling_params") or {}
         seed = self.cfg.seed * 1_000_003 + next(self._seeds) * 1009
-        vocab = int(self.host.base.get_output_embeddings().weight.shape[0])
-        job = compute.check_sample(request, self.host.tokenizer, vocab, seed, self.cfg.max_context)
-
-        def run(jobs: list[compute.SampleJob]) -> list[bytes]:
-            module, context = self._module(folder)
-            done = compute.sample_batch(
-                module, context, self.host.tokenizer, jobs, self.cfg.sample_max_rows
-            )
-            return [
-                encode_sample_response(seqs, ps.logprobs, ps.topk, ps.targets, ps.alt)
-                for seqs, ps in done
-            ]
-
+        tok, vocab = self.host.tokenizer, self.host.vocab
+        job = compute.check_sample(request, tok, vocab, seed, self.cfg.max_context)
         key = ("sample", str(folder), job.params, job.stop_texts)
-        rid = self.futures.submit_batchable(key, job, run, "sample")
+        rid = self.futures.submit_batchable(
+            key, job, lambda jobs: self.work.sample(folder, jobs), "sample", self.lane
+        )
         return rid, [f"{rid}:{i}" for i in range(n)]
-
-    def _module(self, folder: Path | None) -> tuple[torch.nn.Module, Any]:
-        if folder is None:
-            return self.host.base_module()
-        meta, weights, _ = self.store.read(folder)
-        version = hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()[:16]
-        if meta["lora"] is not None:
-            return self.host.sampler_adapter(folder, version), contextlib.nullcontext()
-        if version not in self._full:
-            model, _ = self.host.full_copy()
-            model.load_state_dict(weights)
-            self._full = {version: model.requires_grad_(False)}  # keep the newest only
-        return self._full[version], contextlib.nullcontext()
 
 
 def _prompt_ids(prompt: Any) -> list[int]:

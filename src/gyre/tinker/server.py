@@ -248,14 +248,13 @@ def _rest_routes(app: Any, service: TinkerService) -> None:
         return service.training_run(model_id)
 
 
-def build_service(cfg: TinkerServeConfig) -> TinkerService:
-    """Load (or build, for the tiny default) the base model and wrap it in the service."""
+def resolve_base(cfg: TinkerServeConfig) -> tuple[str, str, str | None]:
+    """(name clients use, resolved local folder, hub id or None) of the base model; the tiny
+    default is built into ``state_dir`` first."""
     from gyre.config import ModelConfig
-    from gyre.models.build import create_tiny_checkpoint, load_pretrained, resolve_device
+    from gyre.models.build import create_tiny_checkpoint
     from gyre.models.hub import looks_like_hub_id, resolve_model_path
-    from gyre.tinker.tenants import BaseModelHost
 
-    device = resolve_device(cfg.device, "device")
     path = cfg.model_path
     if not path:
         path = str(Path(cfg.state_dir) / "tiny-base")
@@ -265,12 +264,21 @@ def build_service(cfg: TinkerServeConfig) -> TinkerService:
     # by the id, and fetch its tokenizer by the id too
     folder = resolve_model_path(path, "model_path")
     hub_id = path if looks_like_hub_id(path) and not Path(path).expanduser().exists() else None
-    model, tokenizer = load_pretrained(str(folder), device)
-    model.requires_grad_(False)
-    host = BaseModelHost(
-        model, tokenizer, cfg.model_name or path, str(folder), cfg.lora_alpha, hub_id
-    )
-    return TinkerService(cfg, host, device)
+    return cfg.model_name or path, str(folder), hub_id
+
+
+def build_service(cfg: TinkerServeConfig) -> TinkerService:
+    """Load (or build, for the tiny default) the base model and wrap it in the service: in this
+    process (``runner=local``), or in a trainer and sampler Ray actors (``runner=ray``)."""
+    from gyre.tinker.service import local_backend
+    from gyre.tinker.training import load_host
+
+    name, folder, hub_id = resolve_base(cfg)
+    if cfg.runner == "ray":
+        from gyre.tinker.ray_backend import ray_backend
+
+        return TinkerService(cfg, ray_backend(cfg, folder, name, hub_id))
+    return TinkerService(cfg, local_backend(cfg, load_host(cfg, folder, name, hub_id)))
 
 
 def _is_loopback(host: str) -> bool:
@@ -317,6 +325,12 @@ def main(argv: list[str]) -> int:
     cfg = load_tinker_config(ns.overrides)
     service = build_service(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    print(f"gyre tinker-serve: {service.host.name} on http://{ns.host}:{ns.port}", flush=True)
-    uvicorn.run(create_app(service, key), host=ns.host, port=ns.port, log_level="warning")
+    where = "" if cfg.runner == "local" else " (training and sampling on Ray actors)"
+    print(
+        f"gyre tinker-serve: {service.host.name} on http://{ns.host}:{ns.port}{where}", flush=True
+    )
+    try:
+        uvicorn.run(create_app(service, key), host=ns.host, port=ns.port, log_level="warning")
+    finally:
+        service.close()
     return 0

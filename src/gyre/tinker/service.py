@@ -4,6 +4,12 @@ requests: :mod:`gyre.tinker.sampling`).
 Plain Python over dicts (the parsed JSON bodies of the SDK's requests); :mod:`server` is the
 HTTP glue. Validation that needs no model runs at once and fails the HTTP request; the work
 itself runs on the future queue, and its errors come back from ``retrieve_future``.
+
+The work goes to a :class:`Backend`: its ``train`` side (a :class:`~gyre.tinker.training.
+TrainWork`: tenants, optimizer steps, saves) and its ``sample`` side (a
+:class:`~gyre.tinker.sampling.SampleWork`). ``runner: local`` holds both in this process, on
+one base model; ``runner: ray`` puts the same objects inside Ray actors
+(:mod:`gyre.tinker.ray_backend`) and hands the service proxies with the same methods.
 """
 
 from __future__ import annotations
@@ -11,37 +17,75 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from gyre.tinker import compute
 from gyre.tinker.config import TinkerServeConfig
 from gyre.tinker.custom_loss import CustomLoss, compile_custom_loss
 from gyre.tinker.errors import NotFound, UserError, required
 from gyre.tinker.futures import FutureQueue
-from gyre.tinker.sampling import Samplers
+from gyre.tinker.sampling import Samplers, SampleWork
 from gyre.tinker.store import StateStore
-from gyre.tinker.tenants import BaseModelHost, LoraSpec, Tenant
-from gyre.tinker.wire import FwdBwdCall, encode_forward_backward_output
+from gyre.tinker.tenants import BaseModelHost, LoraSpec, ModelCard
+from gyre.tinker.training import TrainWork
+from gyre.tinker.wire import FwdBwdCall
 
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 ADAM_DEFAULTS = dict(zip(ADAM_KEYS, (1e-4, 0.9, 0.95, 1e-12, 0.0, 0.0), strict=True))
 
 
+@dataclass
+class Backend:
+    """Where the work runs: ``train`` has :class:`TrainWork`'s methods, ``sample`` has
+    :class:`SampleWork`'s; each runs on its lane of the future queue (``lanes``: lane ->
+    worker threads)."""
+
+    card: ModelCard
+    train: Any
+    sample: Any
+    lanes: dict[str, int] = field(default_factory=lambda: {"main": 1})
+    train_lane: str = "main"
+    sample_lane: str = "main"
+    close: Callable[[], None] = lambda: None
+
+
+def local_backend(cfg: TinkerServeConfig, host: BaseModelHost) -> Backend:
+    """Training and sampling in this process, on one base model and one worker thread (peft
+    switches adapters on the shared model, so they must not run at once)."""
+    return Backend(host, TrainWork(cfg, host), SampleWork(cfg, host))
+
+
+@dataclass
+class ModelEntry:
+    """What the service knows of a training model (its weights live with ``Backend.train``)."""
+
+    session_id: str
+    lora: LoraSpec | None
+    user_metadata: dict[str, Any]
+
+
 class TinkerService:
-    def __init__(self, cfg: TinkerServeConfig, host: BaseModelHost, device: torch.device) -> None:
-        self.cfg, self.host, self.device = cfg, host, device
+    def __init__(self, cfg: TinkerServeConfig, backend: Backend) -> None:
+        self.cfg, self.backend, self.host = cfg, backend, backend.card
+        self.train, self.lane = backend.train, backend.train_lane
         self.store = StateStore(cfg.state_dir)
-        self.futures = FutureQueue(cfg.result_ttl_s)
+        self.futures = FutureQueue(cfg.result_ttl_s, lanes=backend.lanes)
         self.sessions: dict[str, dict[str, Any]] = {}
-        self.tenants: dict[str, Tenant] = {}
-        self.samplers = Samplers(cfg, host, self.store, self.futures)
+        self.models: dict[str, ModelEntry] = {}
+        self.samplers = Samplers(
+            cfg, self.host, self.store, self.futures, backend.sample, backend.sample_lane
+        )
         self.custom_losses: dict[str, tuple[str, CustomLoss]] = {}  # loss id -> (session, loss)
         self._lock = threading.Lock()
-        pad = host.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (host.tokenizer.eos_token_id or 0)
+
+    def close(self) -> None:
+        self.futures.close()
+        self.backend.close()
+
+    def _submit(self, fn: Callable[[], dict[str, Any] | bytes], name: str) -> str:
+        return self.futures.submit(fn, name, self.lane)
 
     # -- sessions -----------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -56,16 +100,17 @@ class TinkerService:
     def finish_session(self, session_id: str) -> None:
         with self._lock:
             self.sessions.pop(session_id, None)
-        self.futures.submit(lambda: self._drop_session(session_id) or {}, "finish_session")
+        self._submit(lambda: self._drop_session(session_id) or {}, "finish_session")
 
     def _drop_session(self, session_id: str) -> None:
         with self._lock:
             for lid in [k for k, (sid, _) in self.custom_losses.items() if sid == session_id]:
                 del self.custom_losses[lid]
-        for mid in [m for m, t in self.tenants.items() if t.session_id == session_id]:
-            tenant = self.tenants.pop(mid)
-            if tenant.lora is not None:
-                self.host.remove_lora(mid)
+        mine = [m for m, e in self.models.items() if e.session_id == session_id]
+        if mine:
+            self.train.drop_models(mine)
+        for mid in mine:
+            self.models.pop(mid, None)
 
     def _reap(self) -> None:
         """Free the models of sessions whose heartbeats stopped (runs on the worker)."""
@@ -114,33 +159,26 @@ class TinkerService:
             # The SDK retries a create it saw fail in transit: the same (session, seq) is the
             # same model, created once.
             self._reap()
-            if model_id not in self.tenants:
-                self._new_tenant(model_id, sid, spec, body.get("user_metadata") or {})
+            self.train.create_model(model_id, sid, spec)
+            if model_id not in self.models:
+                self.models[model_id] = ModelEntry(sid, spec, body.get("user_metadata") or {})
             return {"type": "create_model", "model_id": model_id}
 
-        return self.futures.submit(run, "create_model")
+        return self._submit(run, "create_model")
 
-    def _new_tenant(self, model_id: str, sid: str, spec: LoraSpec | None, meta: dict) -> Tenant:
-        if spec is None:
-            module, params = self.host.full_copy()
-        else:
-            module, params = self.host.add_lora(model_id, spec)
-        tenant = Tenant(model_id, sid, self.host.name, spec, module, params, user_metadata=meta)
-        self.tenants[model_id] = tenant
-        return tenant
-
-    def tenant(self, model_id: Any) -> Tenant:
-        if not isinstance(model_id, str) or model_id not in self.tenants:
+    def model(self, model_id: Any) -> ModelEntry:
+        if not isinstance(model_id, str) or model_id not in self.models:
             raise NotFound(f"model_id: {model_id!r} is not a model on this server")
-        return self.tenants[model_id]
+        return self.models[model_id]
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
-        t = self.tenant(body.get("model_id"))
+        model_id = body.get("model_id")
+        t = self.model(model_id)
         return {
             "type": "get_info",
-            "model_id": t.model_id,
+            "model_id": model_id,
             "model_data": {
-                "arch": type(self.host.base).__name__,
+                "arch": self.host.arch,
                 "model_name": self.host.name,
                 "tokenizer_id": self.host.hub_id or str(Path(self.host.path).resolve()),
             },
@@ -161,9 +199,9 @@ class TinkerService:
         with self._lock:
             self.custom_losses[loss_id] = (sid, loss)
         result = {"type": "create_custom_loss", "loss_id": loss_id}
-        return self.futures.submit(lambda: result, "create_custom_loss")
+        return self._submit(lambda: result, "create_custom_loss")
 
-    def _custom_loss(self, call: FwdBwdCall, tenant: Tenant) -> CustomLoss | None:
+    def _custom_loss(self, call: FwdBwdCall, model: ModelEntry) -> CustomLoss | None:
         if call.loss_fn != "custom":
             return None
         loss_id = call.loss_fn_config.get("loss_id")
@@ -174,26 +212,22 @@ class TinkerService:
                 f"loss_fn_config.loss_id: {loss_id!r} is not a loss created with "
                 "create_custom_loss in a live session"
             )
-        if found[0] != tenant.session_id:
+        if found[0] != model.session_id:
             raise UserError(f"loss_fn_config.loss_id: {loss_id!r} belongs to another session")
         return found[1]
 
     def forward_backward(self, call: FwdBwdCall) -> str:
-        tenant = self.tenant(call.model_id)
-        custom = self._custom_loss(call, tenant)
-
-        def run() -> bytes:
-            outputs, metrics = compute.forward_backward(
-                tenant, call, self.device, self.pad_id, self.cfg.train_micro_tokens, custom
-            )
-            return encode_forward_backward_output(outputs, metrics)
-
+        custom = self._custom_loss(call, self.model(call.model_id))
         kind = "forward" if call.forward_only else "forward_backward"
         tokens = sum(len(d.tokens) for d in call.data)
-        return self.futures.submit(run, f"{kind} {len(call.data)} datums, {tokens} tokens")
+        return self._submit(
+            lambda: self.train.forward_backward(call, custom),
+            f"{kind} {len(call.data)} datums, {tokens} tokens",
+        )
 
     def optim_step(self, body: dict[str, Any]) -> str:
-        tenant = self.tenant(body.get("model_id"))
+        model_id = body.get("model_id")
+        self.model(model_id)
         raw = body.get("adam_params") or body.get("optim_params")
         if raw is None and body.get("optimizer_params") is not None:
             raise UserError("optimizer_params: only AdamParams (adam_params) are supported")
@@ -201,31 +235,28 @@ class TinkerService:
         for k in ADAM_KEYS:
             if not isinstance(adam[k], int | float) or adam[k] < 0:
                 raise UserError(f"adam_params.{k}: must be a number >= 0, got {adam[k]!r}")
-        return self.futures.submit(
-            lambda: {"metrics": compute.optim_step(tenant, adam)}, "optim_step"
-        )
+        return self._submit(lambda: self.train.optim_step(model_id, adam), "optim_step")
 
     # -- weights ------------------------------------------------------------------------------
     def save_weights(self, body: dict[str, Any], kind: str) -> str:
-        tenant = self.tenant(body.get("model_id"))
+        model_id = body.get("model_id")
+        model = self.model(model_id)
         name = body.get("path")
         sampling_seq = body.get("sampling_session_seq_id")
         if name is None and kind == "weights":
             raise UserError("path: required (a checkpoint name)")
-        auto = name is None
-        name = name or f"auto-{tenant.steps:06d}-{uuid.uuid4().hex[:6]}"
         overwrite = bool(body.get("overwrite", False))
 
         def run() -> dict[str, Any]:
-            uri = self.store.save(tenant, kind, name, overwrite, self.host.alpha)
+            uri = self.train.save(model_id, kind, name, overwrite)
             if kind == "weights":
                 return {"type": "save_weights", "path": uri}
             out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": uri}
-            if auto:  # save_weights_and_get_sampling_client: a sampling session on it
-                out["sampling_session_id"] = self.samplers.new(tenant.session_id, sampling_seq, uri)
+            if name is None:  # save_weights_and_get_sampling_client: a sampling session on it
+                out["sampling_session_id"] = self.samplers.new(model.session_id, sampling_seq, uri)
             return out
 
-        return self.futures.submit(run, f"save {kind}")
+        return self._submit(run, f"save {kind}")
 
     def load_weights(self, body: dict[str, Any]) -> str:
         uri = required(body, "path", str)
@@ -238,29 +269,16 @@ class TinkerService:
             if body.get("base_model"):
                 self.host.check_served(body["base_model"])
         else:
-            model_id = self.tenant(body.get("model_id")).model_id
+            model_id = body.get("model_id")
+            self.model(model_id)
 
         def run() -> dict[str, Any]:
-            meta, weights, opt_state = self.store.read(folder)
-            self.host.check_served(meta["base_model"], "path (its base model)")
-            tenant = self.tenants.get(model_id)
-            spec = None if meta["lora"] is None else LoraSpec(**meta["lora"])
-            if tenant is None:
-                tenant = self._new_tenant(model_id, model_id.split(":")[0], spec, {})
-            elif (tenant.lora is None) != (spec is None) or (
-                spec and spec.rank != tenant.lora.rank
-            ):
-                raise UserError(f"path: {uri} does not fit model {model_id} (LoRA settings differ)")
-            tenant.load_trainable_state(weights)
-            tenant.optimizer, tenant.steps = None, int(meta["steps"])
-            if with_opt and opt_state is not None:
-                tenant.optimizer = torch.optim.AdamW(tenant.params)
-                tenant.optimizer.load_state_dict(opt_state)
-            for p in tenant.params:
-                p.grad = None
+            spec = self.train.load(model_id, uri, folder, with_opt)
+            if model_id not in self.models:
+                self.models[model_id] = ModelEntry(model_id.split(":")[0], spec, {})
             return {"type": "load_weights", "path": uri, "model_id": model_id}
 
-        return self.futures.submit(run, "load_weights")
+        return self._submit(run, "load_weights")
 
     # -- sampling -----------------------------------------------------------------------------
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -289,7 +307,7 @@ class TinkerService:
         return {"checkpoints": self.store.list(model_id)}
 
     def training_run(self, model_id: str) -> dict[str, Any]:
-        t = self.tenant(model_id)
+        t = self.model(model_id)
         cks = self.store.list(model_id)
         last = {k: [c for c in cks if c["checkpoint_type"] == k] for k in ("training", "sampler")}
         return {

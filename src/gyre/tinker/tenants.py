@@ -99,7 +99,46 @@ def adapter_name(model_id: str) -> str:
     return "t_" + "".join(c if c.isalnum() else "_" for c in model_id)
 
 
-class BaseModelHost:
+class ModelCard:
+    """What the HTTP side knows of the base model without holding its weights: the names it is
+    served by, its tokenizer, vocabulary size and architecture (``runner: ray`` builds one in
+    the driver; in one process the :class:`BaseModelHost` is its own card)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        name: str,
+        path: str,
+        alpha: float,
+        hub_id: str | None = None,
+        arch: tuple[str, int] = ("", 0),
+    ) -> None:
+        self.tokenizer, self.name, self.path, self.alpha = tokenizer, name, path, alpha
+        self.hub_id = hub_id  # the hub id the base was resolved from (path: its cache folder)
+        self.arch, self.vocab = arch  # model class name, output vocabulary size
+
+    def names(self) -> set[str]:
+        """The names a request may give the base model by: its name, path and hub id."""
+        names = {self.name, self.path, str(Path(self.path).resolve())}
+        return names | ({self.hub_id} if self.hub_id else set())
+
+    def check_served(self, name: str, key: str = "base_model") -> None:
+        """A :class:`UserError` on ``key`` unless ``name`` is this base model."""
+        if name not in self.names():
+            raise UserError(f"{key}: {name!r} is not served here; this server serves {self.name!r}")
+
+    def identity(self) -> dict[str, Any]:
+        """The card's fields but the tokenizer (what an actor sends back to the driver)."""
+        return {
+            "name": self.name,
+            "path": self.path,
+            "alpha": self.alpha,
+            "hub_id": self.hub_id,
+            "arch": (self.arch, self.vocab),
+        }
+
+
+class BaseModelHost(ModelCard):
     """The base model, the peft wrapper its LoRA tenants share, and the tokenizer."""
 
     def __init__(
@@ -111,21 +150,11 @@ class BaseModelHost:
         alpha: float,
         hub_id: str | None = None,
     ) -> None:
-        self.base, self.tokenizer, self.name, self.path = model, tokenizer, name, path
-        self.alpha = alpha
-        self.hub_id = hub_id  # the hub id the base was resolved from (path: its cache folder)
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        super().__init__(tokenizer, name, path, alpha, hub_id, (type(model).__name__, vocab))
+        self.base = model
         self.peft_model: Any = None  # created with the first LoRA tenant
         self._samplers: list[str] = []  # loaded sampler adapters, oldest first
-
-    def names(self) -> set[str]:
-        """The names a request may give the base model by: its name, path and hub id."""
-        names = {self.name, self.path, str(Path(self.path).resolve())}
-        return names | ({self.hub_id} if self.hub_id else set())
-
-    def check_served(self, name: str, key: str = "base_model") -> None:
-        """A :class:`UserError` on ``key`` unless ``name`` is this base model."""
-        if name not in self.names():
-            raise UserError(f"{key}: {name!r} is not served here; this server serves {self.name!r}")
 
     def add_lora(
         self, model_id: str, spec: LoraSpec
