@@ -53,9 +53,13 @@ REPLACED = (
 
 
 class ActorGone(TinkerError):
-    """An actor died or did not answer in time; the message names it in one line."""
+    """An actor died (``died``) or did not answer in time; the message names it in one line."""
 
     status = 503
+
+    def __init__(self, message: str, died: bool = False) -> None:
+        super().__init__(message)
+        self.died = died
 
 
 def _quiet(num_cpus: float) -> None:
@@ -129,11 +133,33 @@ class Calls:
         try:
             return ray.get(ref)
         except (RayActorError, ActorUnavailableError) as exc:
-            raise ActorGone(f"{peer} died ({type(exc).__name__}) during {stage}") from None
+            raise ActorGone(f"{peer} died ({type(exc).__name__}) during {stage}", True) from None
         except RayTaskError as exc:
             if isinstance(exc.cause, TinkerError):
                 raise exc.cause from None
             raise
+
+    def revive(self, actor: Any, peer: str) -> None:
+        """Wait until Ray has replaced ``actor`` (it answers again), within the start-up
+        deadline; an actor with no restarts left is :class:`ActorGone`."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        t0 = time.monotonic()
+        while (left := self.r.startup_timeout_s - (time.monotonic() - t0)) > 0:
+            try:
+                ray.get(actor.where.remote(), timeout=left)
+                return
+            except ActorUnavailableError:  # restarting
+                time.sleep(0.2)
+            except GetTimeoutError:
+                break
+            except RayActorError as exc:
+                raise ActorGone(
+                    f"{peer} is dead ({type(exc).__name__}): no restarts left", True
+                ) from None
+        key = f"ray.startup_timeout_s={self.r.startup_timeout_s:g}"
+        raise ActorGone(f"{peer} was not replaced within {key}", True)
 
 
 class RemoteTrain:
@@ -141,17 +167,24 @@ class RemoteTrain:
 
     def __init__(self, actor: Any, calls: Calls, restarts: int) -> None:
         self.actor, self.calls, self.restarts = actor, calls, restarts
+        self.down = False  # a call saw the actor die: the next one waits for its replacement
 
     def _call(self, method: str, *args: Any) -> Any:
+        if self.down:
+            self.calls.revive(self.actor, "trainer actor")
+            self.down = False
         try:
             return self.calls.get(self.actor.call.remote(method, *args), "trainer actor", method)
         except ActorGone as exc:
-            if "died" not in exc.message:
+            if not exc.died:
                 raise
+            self.down = True
+            log.warning("%s", exc.message)
             raise ActorGone(
                 f"{exc.message}: training state not saved with save_state is lost; Ray "
                 f"replaces the actor (ray.max_trainer_restarts={self.restarts}), then "
-                "load_state from a save continues"
+                "load_state from a save continues",
+                True,
             ) from None
 
     def create_model(self, model_id: str, session_id: str, spec: LoraSpec | None) -> None:
@@ -178,15 +211,18 @@ class SamplerPool:
 
     def __init__(self, actors: list[Any], calls: Calls) -> None:
         self.actors, self.calls = actors, calls
-        self.busy = [0] * len(actors)
+        self.busy = [0] * len(actors)  # batches in flight
+        self.served = [0] * len(actors)  # batches sent (ties of busy go to the least used)
+        self.down: set[int] = set()  # died under a batch: wait for the replacement first
         self.deaths: list[str] = []  # one line per sampler actor that died under a batch
         self._lock = threading.Lock()
 
     def _take(self, avoid: set[int]) -> int:
         with self._lock:
             free = [i for i in range(len(self.actors)) if i not in avoid] or list(avoid)
-            i = min(free, key=lambda k: self.busy[k])
+            i = min(free, key=lambda k: (self.busy[k], self.served[k]))
             self.busy[i] += 1
+            self.served[i] += 1
             return i
 
     def sample(self, folder: Path | None, jobs: list[Any]) -> list[bytes]:
@@ -194,15 +230,19 @@ class SamplerPool:
         tried: set[int] = set()
         while True:
             i = self._take(tried)
+            peer = f"sampler actor {i}"
             try:
-                ref = self.actors[i].sample.remote(folder, jobs)
-                return self.calls.get(ref, f"sampler actor {i}", "sample")
+                if i in self.down:
+                    self.calls.revive(self.actors[i], peer)
+                    self.down.discard(i)
+                return self.calls.get(self.actors[i].sample.remote(folder, jobs), peer, "sample")
             except ActorGone as exc:
-                if "died" not in exc.message or tried:
+                if not exc.died or tried:
                     raise
                 line = f"{exc.message}; Ray replaces it, the batch is sent again"
                 log.warning("%s", line)
                 self.deaths.append(line)
+                self.down.add(i)
                 tried.add(i)
             finally:
                 with self._lock:
