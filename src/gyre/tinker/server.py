@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gyre.tinker.config import TinkerServeConfig, load_tinker_config
+from gyre.tinker.config import TinkerRayConfig, TinkerServeConfig, load_tinker_config
 from gyre.tinker.errors import NotFound, TinkerError, UserError
 from gyre.tinker.service import TinkerService
 from gyre.tinker.wire import PROTO_CONTENT_TYPE, decode_forward_backward
@@ -295,7 +295,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="gyre tinker-serve",
         description="Serve the Tinker API (the official `tinker` SDK) over gyre. Keys: "
-        + ", ".join(TinkerServeConfig.model_fields),
+        + ", ".join(k for k in TinkerServeConfig.model_fields if k != "ray")
+        + "; runner=ray: "
+        + ", ".join(f"ray.{k}" for k in TinkerRayConfig.model_fields),
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--host", default="127.0.0.1")
