@@ -16,7 +16,8 @@ class TinkerRayConfig(BaseModel):
 
     address: str = Field(
         "",
-        description="'' starts a local Ray cluster (or joins RAY_ADDRESS when set); 'auto' or "
+        description="'' starts a local Ray cluster (or joins RAY_ADDRESS when set), 'local' always "
+        "starts one; 'auto' or "
         "'ray://host:10001' joins an existing one",
     )
     num_cpus: int = Field(0, ge=0, description="logical CPUs of a local cluster; 0 detects them")
