@@ -204,3 +204,29 @@ def test_sampler_actor_killed_mid_batch_is_named_and_replaced(on_ray):
     with pytest.raises(tinker.RequestFailedError, match=r"sampler actor [01] died"):
         _draw(sampler, tok, seed=0)
     sc.close("success").result()
+
+
+def test_start_up_failures_are_one_line_naming_the_cause(cluster, tmp_path):
+    import torch
+
+    from gyre.tinker.config import TinkerServeConfig
+    from gyre.tinker.errors import TinkerError
+    from gyre.tinker.server import build_service
+
+    def start(**overrides):
+        ray_keys = {"startup_timeout_s": 5, **overrides.pop("ray", {})}
+        cfg = TinkerServeConfig(state_dir=str(tmp_path), runner="ray", ray=ray_keys, **overrides)
+        with pytest.raises(TinkerError) as info:
+            build_service(cfg)
+        assert "\n" not in info.value.message
+        return info.value.message
+
+    unplaced = start(ray={"trainer": {"resources": {"nowhere": 1}}})
+    assert "no answer from trainer actor" in unplaced and "'nowhere': 1.0" in unplaced
+    if not torch.cuda.is_available():
+        # no CPUs reserved (the other tests' server holds the nodes' CPUs); it fails as soon
+        # as the actor's start raises, well within the deadline
+        zero = {"num_cpus": 0}
+        keys = {"trainer": zero, "sampler": zero, "startup_timeout_s": 120}
+        broken = start(device="cuda", ray=keys)
+        assert "trainer actor died" in broken and "CUDA is not available" in broken

@@ -111,6 +111,16 @@ class SamplerActor:
         return _where()
 
 
+def _why(exc: Exception) -> str:
+    """The error's type, and for an actor whose start raised, that error's last line (Ray's
+    message holds the whole traceback)."""
+    text = str(exc)
+    if "creation task" not in text:
+        return type(exc).__name__
+    last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+    return f"{type(exc).__name__}: {last}"
+
+
 class Calls:
     """Actor calls with a deadline; an actor's error comes back as it was raised (a
     :class:`TinkerError` names the field), a dead or silent actor as :class:`ActorGone`."""
@@ -133,7 +143,7 @@ class Calls:
         try:
             return ray.get(ref)
         except (RayActorError, ActorUnavailableError) as exc:
-            raise ActorGone(f"{peer} died ({type(exc).__name__}) during {stage}", True) from None
+            raise ActorGone(f"{peer} died ({_why(exc)}) during {stage}", True) from None
         except RayTaskError as exc:
             if isinstance(exc.cause, TinkerError):
                 raise exc.cause from None
@@ -315,14 +325,12 @@ def ray_backend(cfg: TinkerServeConfig, folder: str, name: str, hub_id: str | No
         for i, s in enumerate(samplers):
             calls.get(s.where.remote(), f"sampler actor {i}", "start-up", startup=True)
     except ActorGone as exc:
+        have = ray.cluster_resources()
         close()
-        need = {"trainer": _options(r.trainer, "", 0), "sampler": _options(r.sampler, "", 0)}
-        need = {
-            k: {n: v[n] for n in ("num_cpus", "num_gpus", "resources")} for k, v in need.items()
-        }
-        raise ActorGone(
-            f"{exc.message}; the actors need {need}, the cluster has {ray.cluster_resources()}"
-        ) from None
+        if exc.died:  # its start raised: the message says what
+            raise
+        need = {role: getattr(r, role).model_dump() for role in ("trainer", "sampler")}
+        raise ActorGone(f"{exc.message}; the actors need {need}, the cluster has {have}") from None
     except BaseException:
         close()
         raise
