@@ -159,8 +159,9 @@ def test_trainer_actor_killed_mid_call_then_load_state_continues_exactly(on_ray)
     _steps(tc, data, 2)
     path = tc.save_state("before-kill").result().path
     tail = _steps(tc, data, 2)  # what an uninterrupted run does next
-    long = tc.forward_backward(_sl_data(tc.get_tokenizer(), reps=400), "cross_entropy")
-    time.sleep(1.0)  # the long call is running in the trainer actor
+    # ~30k tokens: seconds of work, so the kill lands while the call is queued or running
+    long = tc.forward_backward(_sl_data(tc.get_tokenizer(), reps=2000), "cross_entropy")
+    time.sleep(0.5)
     ray.kill(on_ray.service.backend.train.actor, no_restart=False)
     with pytest.raises(tinker.RequestFailedError, match="trainer actor died") as died:
         long.result()
@@ -202,6 +203,10 @@ def test_sampler_actor_killed_mid_batch_is_named_and_replaced(on_ray):
     for actor in pool.actors:
         ray.kill(actor, no_restart=True)
     with pytest.raises(tinker.RequestFailedError, match=r"sampler actor [01] died"):
+        _draw(sampler, tok, seed=0)
+    with pytest.raises(tinker.RequestFailedError, match=r"sampler actor [01] is dead .*restarts"):
+        _draw(sampler, tok, seed=0)
+    with pytest.raises(tinker.RequestFailedError, match="every sampler actor is dead"):
         _draw(sampler, tok, seed=0)
     sc.close("success").result()
 

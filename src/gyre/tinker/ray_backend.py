@@ -53,13 +53,14 @@ REPLACED = (
 
 
 class ActorGone(TinkerError):
-    """An actor died (``died``) or did not answer in time; the message names it in one line."""
+    """An actor died (``died``; ``final``: with no restarts left) or did not answer in time;
+    the message names it in one line."""
 
     status = 503
 
-    def __init__(self, message: str, died: bool = False) -> None:
+    def __init__(self, message: str, died: bool = False, final: bool = False) -> None:
         super().__init__(message)
-        self.died = died
+        self.died, self.final = died, final
 
 
 def _quiet(num_cpus: float) -> None:
@@ -166,7 +167,7 @@ class Calls:
                 break
             except RayActorError as exc:
                 raise ActorGone(
-                    f"{peer} is dead ({type(exc).__name__}): no restarts left", True
+                    f"{peer} is dead ({type(exc).__name__}): no restarts left", True, True
                 ) from None
         key = f"ray.startup_timeout_s={self.r.startup_timeout_s:g}"
         raise ActorGone(f"{peer} was not replaced within {key}", True)
@@ -224,12 +225,16 @@ class SamplerPool:
         self.busy = [0] * len(actors)  # batches in flight
         self.served = [0] * len(actors)  # batches sent (ties of busy go to the least used)
         self.down: set[int] = set()  # died under a batch: wait for the replacement first
+        self.dead: set[int] = set()  # no restarts left: never sent work again
         self.deaths: list[str] = []  # one line per sampler actor that died under a batch
         self._lock = threading.Lock()
 
     def _take(self, avoid: set[int]) -> int:
         with self._lock:
-            free = [i for i in range(len(self.actors)) if i not in avoid] or list(avoid)
+            live = [i for i in range(len(self.actors)) if i not in self.dead]
+            if not live:
+                raise ActorGone("every sampler actor is dead (ray.max_sampler_restarts)", True)
+            free = [i for i in live if i not in avoid] or live
             i = min(free, key=lambda k: (self.busy[k], self.served[k]))
             self.busy[i] += 1
             self.served[i] += 1
@@ -247,12 +252,15 @@ class SamplerPool:
                     self.down.discard(i)
                 return self.calls.get(self.actors[i].sample.remote(folder, jobs), peer, "sample")
             except ActorGone as exc:
+                if exc.died:
+                    self.down.add(i)
+                if exc.final:
+                    self.dead.add(i)
                 if not exc.died or tried:
                     raise
-                line = f"{exc.message}; Ray replaces it, the batch is sent again"
+                line = f"{exc.message}; the batch is sent again"
                 log.warning("%s", line)
                 self.deaths.append(line)
-                self.down.add(i)
                 tried.add(i)
             finally:
                 with self._lock:
