@@ -58,9 +58,17 @@ class ActorGone(TinkerError):
 
     status = 503
 
-    def __init__(self, message: str, died: bool = False, final: bool = False) -> None:
+    def __init__(
+        self, message: str, died: bool = False, final: bool = False, fault: Any = None
+    ) -> None:
         super().__init__(message)
         self.died, self.final = died, final
+        self.fault: PeerFault | None = fault  # the deadline that passed
+
+
+class ActorStartError(ValueError):
+    """An actor's start raised (a bad device, a model folder missing on its node): the server
+    does not start, and the message carries the actor's error."""
 
 
 def _quiet(num_cpus: float) -> None:
@@ -139,7 +147,7 @@ class Calls:
         while not ray.wait([ref], timeout=hb.slice())[0]:
             if hb.left <= 0:
                 fault = PeerFault("worker", stage, peer, hb.waited, key)
-                raise ActorGone(str(fault))
+                raise ActorGone(str(fault), fault=fault)
             hb.beat()
         try:
             return ray.get(ref)
@@ -336,9 +344,13 @@ def ray_backend(cfg: TinkerServeConfig, folder: str, name: str, hub_id: str | No
         have = ray.cluster_resources()
         close()
         if exc.died:  # its start raised: the message says what
+            raise ActorStartError(exc.message) from None
+        f = exc.fault
+        if f is None:
             raise
         need = {role: getattr(r, role).model_dump() for role in ("trainer", "sampler")}
-        raise ActorGone(f"{exc.message}; the actors need {need}, the cluster has {have}") from None
+        detail = f"the actors need {need}, the cluster has {have}"
+        raise PeerFault(f.kind, f.stage, f.peer, f.waited_s, f.key, detail) from None
     except BaseException:
         close()
         raise
