@@ -12,11 +12,15 @@ trained so the trainer's work does not depend on the rewards) then runs, each as
     async (k=2) 1+1
     colocated, 2 bundles             2 rollout workers + 2 trainer ranks (gloo) on both nodes
 
-For each: the median ``time/step_s`` over steps 2..N, the planner's prediction from the
-calibration run (``gyre.commands.plan.measure``), and the error. ``--repeats R`` runs the five
-placements R times, interleaved, and calibrates each repeat on its own sync run (the machine's
-load drifts between minutes; within a repeat all placements see about the same), then reports
-the median error per placement. The last line is one JSON object.
+For each: the median ``time/step_s`` over steps 2..N, the planner's prediction, and the
+error. The prediction takes the throughputs (g, t, s, c_r, c_t, o) from the calibration run and
+the step's work (tokens generated and trained, weight bytes) from the placement's own run
+(``gyre.commands.plan.measure``): response lengths drift differently in each mode (staleness
+changes what is sampled), and the planner is asked about a given workload.
+
+``--repeats R`` runs the five placements R times, interleaved, and calibrates each repeat on
+its own sync run (the machine's load drifts between minutes; within a repeat all placements see
+about the same), then reports the median error per placement. The last line is one JSON object.
 
     python bench/plan_calibrate.py --steps 12 --repeats 2
 """
@@ -37,6 +41,7 @@ from async_common import bench_overrides
 from gyre.commands.plan import measure, predict
 
 PIN = ["ray.rollout.resources={gyre_rollout: 1}", "ray.trainer.resources={gyre_trainer: 1}"]
+CALIBRATION = "disaggregated 1+1 sync"
 PLACEMENTS = {  # name: (overrides, planner mode, nodes, rollout nodes)
     "disaggregated 1+1 sync": (["ray.mode=sync", *PIN], "disaggregated", 2, 1),
     "colocated 1 bundle": (["ray.placement=colocated"], "colocated", 1, 0),
@@ -68,11 +73,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=list(PLACEMENTS),
+        default=None,
+        help="run only these placements (and the calibration run); repeatable",
+    )
     args = ap.parse_args()
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    keep = {CALIBRATION, *(args.only or PLACEMENTS)}
+    placements = {k: v for k, v in PLACEMENTS.items() if k in keep}
     from ray.cluster_utils import Cluster
 
     root = Path(tempfile.mkdtemp(prefix="gyre-plan-"))
+    print(f"run directories: {root}", flush=True)
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})  # fmt: skip
     for res in ({"gyre_rollout": 2.0}, {"gyre_trainer": 2.0}):
@@ -82,14 +97,15 @@ def main() -> None:
     try:
         for rep in range(args.repeats):
             measured = {}
-            for name, (extra, *_rest) in PLACEMENTS.items():
+            for name, (extra, *_rest) in placements.items():
                 d = root / f"r{rep}-{name.replace(' ', '_')}"
                 measured[name] = run(cluster.address, d, args.steps, extra)
                 print(f"repeat {rep} {name}: median step {measured[name]:.3f} s", flush=True)
-            tp, wl = measure(root / f"r{rep}-disaggregated_1+1_sync")
+            tp, wl = measure(root / f"r{rep}-{CALIBRATION.replace(' ', '_')}")
             print(f"repeat {rep} calibration: {tp}\n  {wl}", flush=True)
-            for name, (_, mode, nodes, r) in PLACEMENTS.items():
-                pred = predict(tp, wl, mode, nodes, r).step_s
+            for name, (_, mode, nodes, r) in placements.items():
+                _, own = measure(root / f"r{rep}-{name.replace(' ', '_')}")  # its R, T, W
+                pred = predict(tp, own, mode, nodes, r).step_s
                 rows.append({"repeat": rep, "placement": name, "measured_s": measured[name],
                              "predicted_s": pred, "error": pred / measured[name] - 1})  # fmt: skip
     finally:
@@ -98,7 +114,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['placement']:<26} {r['repeat']:>6} {r['measured_s']:>10.3f} "
               f"{r['predicted_s']:>11.3f} {r['error']:>+7.1%}")  # fmt: skip
-    for name in PLACEMENTS:
+    for name in placements:
         errs = [r["error"] for r in rows if r["placement"] == name]
         print(f"{name:<26} median error {statistics.median(errs):+.1%}")
     print(json.dumps(rows))

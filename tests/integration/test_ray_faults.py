@@ -2,17 +2,21 @@
 
 A rollout worker that is alive but never returns (``GYRE_FAULT=rollout.share:pause=...``: every
 share hangs) must end the run within ``faults.call_timeout_s`` as a named worker fault, exit 69,
-not hang: Ray only reports actors that died.
+not hang: Ray only reports actors that died. Weights lost with their node before a worker
+fetched them are gathered again, and nothing is trained twice.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
@@ -44,7 +48,7 @@ TINY = [
 
 def _run_with_fault(fault: str, tmp_path, capsys, *overrides: str) -> tuple[int, float, str, str]:
     """``gyre train`` of TINY on Ray with ``GYRE_FAULT=fault``: (exit code, seconds, the last
-    ``gyre:`` line of stderr, stderr)."""
+    ``gyre:`` line of stderr, stdout and stderr)."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["GYRE_FAULT"] = fault
     try:
@@ -57,9 +61,9 @@ def _run_with_fault(fault: str, tmp_path, capsys, *overrides: str) -> tuple[int,
         del os.environ["GYRE_FAULT"]
         if ray.is_initialized():
             ray.shutdown()
-    err = capsys.readouterr().err
-    line = [x for x in err.splitlines() if x.startswith("gyre:")][-1]
-    return rc, took, line, err
+    out, err = capsys.readouterr()
+    line = ([x for x in err.splitlines() if x.startswith("gyre:")] or [""])[-1]
+    return rc, took, line, out + err
 
 
 def test_a_wedged_rollout_actor_ends_the_run_as_a_named_worker_fault(tmp_path, capsys, caplog):
@@ -104,3 +108,39 @@ def test_a_rank_that_never_reaches_the_update_collective_is_named(tmp_path, caps
         "collective that rank 1 never reached"
     ), line
     assert took < timeout_s + 240  # the deadline plus start-up and shutdown, not the hour
+
+
+def _trained(run) -> list[str]:
+    rows = [json.loads(x) for x in (run / "trajectories.jsonl").read_text().splitlines()]
+    return [r["traj_id"] for r in rows if r["status"] == "trained"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "one-step-off"])
+def test_weights_lost_before_the_fetch_are_gathered_again(tmp_path, capsys, mode):
+    """The weights a rollout worker is to load were lost with their node (Ray's
+    ``ObjectLostError``, injected once at the worker's fetch of step 2): the worker is fine, so
+    it is not replaced; its share is reissued once, the trainer group gathers the weights again
+    and the run ends with exit 0, every planned trajectory trained exactly once. In sync mode
+    the reissued share is sampled with the same seeds, so the weights end bitwise equal to a
+    run without the fault."""
+    steps = ["train.steps=3", f"ray.mode={mode}", "log.console=plain"]
+    marker = tmp_path / "lost"
+    rc, _, _, err = _run_with_fault(f"rollout.weights:lost:{marker}", tmp_path, capsys, *steps)
+    assert rc == 0, err[-2000:]
+    assert marker.exists()  # the fault did fire
+    assert "were lost with their node before every rollout worker fetched them" in err
+    run = tmp_path / "run"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    counted = [r for r in rows if "recovery/reissued_shares" in r]
+    assert counted[-1]["recovery/reissued_shares"] == 1
+    assert counted[-1]["recovery/regathered_weights"] == 1  # not re-fetched from the lost object
+    assert counted[-1]["recovery/rollout_restarts"] == 0  # the worker itself was fine
+    assert counted[-1]["recovery/trainer_restarts"] == 0
+    trained = _trained(run)
+    assert len(trained) == len(set(trained)) == 3 * 2 * 2  # steps x tasks x group
+    if mode == "sync":
+        clean = tmp_path / "clean"
+        rc, *_ = _run_with_fault("none:", clean, capsys, *steps)
+        assert rc == 0 and _trained(clean / "run") == trained
+        a, b = (load_file(str(r / "final" / "model.safetensors")) for r in (run, clean / "run"))
+        assert all(torch.equal(a[k], b[k]) for k in a)

@@ -86,3 +86,19 @@ def test_the_call_overheads_sit_on_their_own_paths(tmp_path):
     assert predict(tp, wl, "disaggregated", 2, 1).step_s == pytest.approx(2.3)
     # one-step-off 1 + 1: max(0.75 + 0.1, 1.0 + 0.15 + 0.1 + 0.2) = 1.45
     assert predict(tp, wl, "one-step-off", 2, 1).step_s == pytest.approx(1.45)
+
+
+def test_a_colocated_runs_hand_over_is_measured_as_h(tmp_path):
+    """The hand-over's seconds (the engines' release, the trainer's offload and load) sit
+    inside the update call; they come out of c_t as h, which only the colocated row pays."""
+    hand = {"handover/release_s": 0.1, "handover/trainer_offload_s": 0.03,
+            "handover/trainer_load_s": 0.02, "handover/optimizer_offload_bytes": 5e6}  # fmt: skip
+    rows = _run_rows(2.45, **{"time/rollout_s": 0.9, "time/train_s": 1.35, **hand})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tp, wl = measure(tmp_path)
+    assert tp.handover_s == pytest.approx(0.15)  # the bytes are not seconds
+    assert tp.train_call_s == pytest.approx(0.15)  # 1.35 - 1.0 - 0.05 gather - 0.15 h
+    assert tp.overhead_s == pytest.approx(2.45 - 0.9 - 1.35)
+    # the run itself, colocated on one node, is predicted as measured
+    assert predict(tp, wl, "colocated", 1).step_s == pytest.approx(2.45)
+    assert predict(tp, wl, "disaggregated", 2, 1).step_s == pytest.approx(2.3)

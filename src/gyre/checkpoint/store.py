@@ -108,7 +108,9 @@ def _write_failure(exc: BaseException, target: Path | str, stage: Path) -> str:
 # Tests (and ``gyre verify-resume``) need to fail or stall a checkpoint write at a known point.
 # In-process tests register a callable; subprocesses use GYRE_FAULT="checkpoint.write:enospc",
 # GYRE_FAULT="checkpoint.write:pause=SECONDS:MARKER_FILE" (the marker is created on arrival) or
-# GYRE_FAULT="env.step:raise" (every env step raises: failed episodes). Ray actors inherit it.
+# GYRE_FAULT="env.step:raise" (every env step raises: failed episodes) or
+# GYRE_FAULT="rollout.weights:lost:MARKER_FILE" (once, while the marker does not exist: the
+# object to fetch was lost with its node, as Ray reports it). Ray actors inherit it.
 _FAULT_HOOKS: dict[str, Callable[[], None]] = {}
 
 
@@ -135,6 +137,14 @@ def fault_point(point: str) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected by GYRE_FAULT)")
     if action == "raise":
         raise RuntimeError(f"injected by GYRE_FAULT at {point}")
+    if action.startswith("lost:"):
+        marker = Path(action[len("lost:") :])
+        if marker.exists():
+            return
+        marker.touch()
+        from ray.exceptions import ObjectLostError
+
+        raise ObjectLostError("f" * 56, None, f"(injected by GYRE_FAULT at {point})")
     if action.startswith("pause="):
         import time
 

@@ -124,9 +124,18 @@ def _median(rows: list[dict], key: str, default: float | None = None) -> float:
     return statistics.median(values)
 
 
+def _keys(rows: list[dict]) -> set[str]:
+    return {k for r in rows for k in r}
+
+
+def _is_handover_time(key: str) -> bool:
+    return key.startswith("handover/") and key.endswith("_s")
+
+
 def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
     """Throughputs and one step's work from a Ray run's ``metrics.jsonl`` (medians over the
-    steps after the first; best from a ``ray.mode=sync`` run, whose phases do not overlap)."""
+    steps after the first; best from a ``ray.mode=sync`` run, whose phases do not overlap).
+    h is the sum of the run's ``handover/*_s`` metrics: 0 unless the run was colocated."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics (give a finished run's run.dir)")
@@ -147,11 +156,16 @@ def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
     # transfer) and the driver's own loop; without the loop's call timings, all of it is o
     rollout_wait = _median(rows, "time/rollout_s", -1.0)
     update_call = _median(rows, "time/train_s", -1.0)
+    # a colocated run's hand-over (the engines' release, the trainer's offload and load, the
+    # engines' sleep and wake): all of it inside the update call
+    handover = sum(_median(rows, k) for k in sorted(_keys(rows)) if _is_handover_time(k))
     c_r = max(0.0, rollout_wait - gen_call) if rollout_wait >= 0 else 0.0
-    c_t = max(0.0, update_call - train - gather) if update_call >= 0 else 0.0
-    own = max(0.0, step - gen - load - train - gather - c_r - c_t)
+    c_t = max(0.0, update_call - train - gather - handover) if update_call >= 0 else 0.0
+    own = max(0.0, step - gen - load - train - gather - c_r - c_t - handover)
     sync_per_gb = (gather + load) / gb if gb else 0.0
-    tp = Throughputs(rollout_tokens / gen, train_tokens / train, sync_per_gb, own, 0.0, c_r, c_t)
+    tp = Throughputs(
+        rollout_tokens / gen, train_tokens / train, sync_per_gb, own, handover, c_r, c_t
+    )
     return tp, Workload(rollout_tokens, train_tokens, gb)
 
 

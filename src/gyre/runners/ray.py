@@ -266,6 +266,12 @@ class RayPlacement:
     def _republish_weights(self) -> None:
         """The weights the workers were to load were lost with their node: gather them again
         (a rank lost with it: a trainer restart from the newest checkpoint, RolledBack)."""
+        assert self.pool is not None
+        self.counters["recovery/regathered_weights"] += 1
+        self.out.message(
+            f"the weights of version {self.pool.version} were lost with their node "
+            "before every rollout worker fetched them: gathering them again from the trainers"
+        )
         try:
             self._sync_weights()
         except TrainerGroupFailed as exc:
@@ -313,12 +319,17 @@ class RayPlacement:
         groups = self.batch
         per = len(groups) // M
         shards = [[t for g in groups[r * per : (r + 1) * per] for t in g.trajs] for r in range(M)]
+        release_s = None
         if self.cfg.ray.placement == "colocated":
+            t0 = time.perf_counter()
             self.pool.release_memory()
+            release_s = time.perf_counter() - t0
         try:
             m, weights = self.group.update(step, shards)
         except TrainerGroupFailed as exc:
             self._restart_trainers(exc)  # raises RolledBack: back to the latest checkpoint
+        if release_s is not None:  # the engines' side of the hand-over (gyre plan's h)
+            m["handover/release_s"] = release_s
         self.pool.publish(weights, step, wait=False)
         self.traj_log.append(step, groups, self.batch_dropped)
         self.dropped_since += len(self.batch_dropped)

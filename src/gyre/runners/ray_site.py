@@ -33,6 +33,7 @@ RECOVERY_COUNTERS = (
     "recovery/rollout_restarts",
     "recovery/trainer_restarts",
     "recovery/reissued_shares",
+    "recovery/regathered_weights",
     "recovery/lost_nodes",
 )
 

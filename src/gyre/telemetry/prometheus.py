@@ -75,6 +75,9 @@ FAULT_COUNTERS: dict[str, FaultCounter] = {
     "recovery/reissued_shares": FaultCounter(
         "failures", "Failures seen by the run.", (("kind", "reissued_share"),)
     ),
+    "recovery/regathered_weights": FaultCounter(
+        "failures", "Failures seen by the run.", (("kind", "lost_weights"),)
+    ),
     "faults/nonfinite_steps": FaultCounter(
         "skipped_steps", "Steps skipped because the loss or gradients were not finite."
     ),
