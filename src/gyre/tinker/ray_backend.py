@@ -150,7 +150,7 @@ class Calls:
                 raise ActorGone(str(fault), fault=fault)
             hb.beat()
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=max(hb.left, 1.0))  # ready: returns at once
         except (RayActorError, ActorUnavailableError) as exc:
             raise ActorGone(f"{peer} died ({_why(exc)}) during {stage}", True) from None
         except RayTaskError as exc:
@@ -308,9 +308,11 @@ def ray_backend(cfg: TinkerServeConfig, folder: str, name: str, hub_id: str | No
     """Start (or join) Ray, start the trainer and sampler actors on the base model in
     ``folder``, and wait until each has loaded it; the driver keeps only the tokenizer."""
     from gyre.models.build import load_tokenizer
-    from gyre.runners.placement import require_ray
 
-    ray = require_ray()
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("tinker-serve runner=ray needs Ray: pip install 'gyre[ray]'") from exc
     r = cfg.ray
     cfg = cfg.model_copy(update={"state_dir": str(Path(cfg.state_dir).resolve())})
     owned = _connect(r)
