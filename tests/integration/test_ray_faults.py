@@ -118,9 +118,10 @@ def _trained(run) -> list[str]:
 @pytest.mark.parametrize("mode", ["sync", "one-step-off"])
 def test_weights_lost_before_the_fetch_are_gathered_again(tmp_path, capsys, mode):
     """The weights a rollout worker is to load were lost with their node (Ray's
-    ``ObjectLostError``, injected once at the worker's fetch of step 2): the worker is fine, so
-    it is not replaced; its share is reissued once, the trainer group gathers the weights again
-    and the run ends with exit 0, every planned trajectory trained exactly once. In sync mode
+    ``ObjectLostError`` at every fetch of the first weights object sent, step 2's: a lost
+    object stays lost): the worker is fine, so it is not replaced; its share is reissued once,
+    the trainer group gathers the weights again into a new object, and the run ends with exit
+    0, every planned trajectory trained exactly once. In sync mode
     the reissued share is sampled with the same seeds, so the weights end bitwise equal to a
     run without the fault."""
     steps = ["train.steps=3", f"ray.mode={mode}", "log.console=plain"]
@@ -133,7 +134,7 @@ def test_weights_lost_before_the_fetch_are_gathered_again(tmp_path, capsys, mode
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     counted = [r for r in rows if "recovery/reissued_shares" in r]
     assert counted[-1]["recovery/reissued_shares"] == 1
-    assert counted[-1]["recovery/regathered_weights"] == 1  # not re-fetched from the lost object
+    assert counted[-1]["recovery/regathered_weights"] == 1
     assert counted[-1]["recovery/rollout_restarts"] == 0  # the worker itself was fine
     assert counted[-1]["recovery/trainer_restarts"] == 0
     trained = _trained(run)

@@ -109,8 +109,9 @@ def _write_failure(exc: BaseException, target: Path | str, stage: Path) -> str:
 # In-process tests register a callable; subprocesses use GYRE_FAULT="checkpoint.write:enospc",
 # GYRE_FAULT="checkpoint.write:pause=SECONDS:MARKER_FILE" (the marker is created on arrival) or
 # GYRE_FAULT="env.step:raise" (every env step raises: failed episodes) or
-# GYRE_FAULT="rollout.weights:lost:MARKER_FILE" (once, while the marker does not exist: the
-# object to fetch was lost with its node, as Ray reports it). Ray actors inherit it.
+# GYRE_FAULT="rollout.weights:lost:MARKER_FILE" (the object to fetch was lost with its node,
+# as Ray reports it: the first object fetched, named in the marker, stays lost; every other
+# one is found). Ray actors inherit it.
 _FAULT_HOOKS: dict[str, Callable[[], None]] = {}
 
 
@@ -122,8 +123,9 @@ def set_fault_hook(point: str, hook: Callable[[], None] | None) -> None:
         _FAULT_HOOKS[point] = hook
 
 
-def fault_point(point: str) -> None:
-    """A place where a fault may be injected; does nothing in a normal run."""
+def fault_point(point: str, key: str = "") -> None:
+    """A place where a fault may be injected; does nothing in a normal run. ``key`` names what
+    the point handles (the ``lost`` action loses one object for good)."""
     hook = _FAULT_HOOKS.get(point)
     if hook is not None:
         hook()
@@ -139,9 +141,9 @@ def fault_point(point: str) -> None:
         raise RuntimeError(f"injected by GYRE_FAULT at {point}")
     if action.startswith("lost:"):
         marker = Path(action[len("lost:") :])
-        if marker.exists():
+        if marker.exists() and marker.read_text() != key:
             return
-        marker.touch()
+        marker.write_text(key)
         from ray.exceptions import ObjectLostError
 
         raise ObjectLostError("f" * 56, None, f"(injected by GYRE_FAULT at {point})")

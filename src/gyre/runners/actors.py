@@ -97,8 +97,11 @@ class RolloutWorker:
         t0 = time.perf_counter()
         w = weights[0]
         timeout = self.cfg.faults.call_timeout_s  # an object-store fetch (exit 69 past it)
-        fault_point("rollout.weights")  # tests: weights lost with their node before the fetch
-        state = w if isinstance(w, (dict, str)) else ray.get(w, timeout=timeout)
+        if isinstance(w, (dict, str)):
+            state = w
+        else:  # tests: an object lost with its node before this fetch
+            fault_point("rollout.weights", key=w.hex())
+            state = ray.get(w, timeout=timeout)
         self.load_weights(state, version)
         return time.perf_counter() - t0
 

@@ -266,12 +266,6 @@ class RayPlacement:
     def _republish_weights(self) -> None:
         """The weights the workers were to load were lost with their node: gather them again
         (a rank lost with it: a trainer restart from the newest checkpoint, RolledBack)."""
-        assert self.pool is not None
-        self.counters["recovery/regathered_weights"] += 1
-        self.out.message(
-            f"the weights of version {self.pool.version} were lost with their node "
-            "before every rollout worker fetched them: gathering them again from the trainers"
-        )
         try:
             self._sync_weights()
         except TrainerGroupFailed as exc:

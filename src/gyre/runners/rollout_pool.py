@@ -140,8 +140,8 @@ class RolloutPool:
             except (*DIED, LOST) as exc:
                 if not isinstance(exc, LOST):
                     self.replace(i, exc)
-                else:  # the weights it was to load lived on a lost node (a trainer node): the
-                    self.weights_lost = True  # worker is fine; the placement republishes them
+                elif not self.weights_lost:  # the weights it was to load lived on a lost node
+                    self._lost_weights()  # (a trainer node): the worker is fine
                 if epoch == self.epoch:
                     self.site.counters["recovery/reissued_shares"] += 1
                     self.sched.reissue(s)
@@ -151,6 +151,15 @@ class RolloutPool:
             if epoch != self.epoch:
                 continue  # generated before a trainer restart rolled the run back
             self._take(s, res)
+
+    def _lost_weights(self) -> None:
+        """Name and count it; the placement gathers the weights again before the next share."""
+        self.weights_lost = True
+        self.site.counters["recovery/regathered_weights"] += 1
+        self.site.out.message(
+            f"the weights of version {self.version} were lost with their node before every "
+            "rollout worker fetched them: gathering them again from the trainers"
+        )
 
     def _take(self, s: int, res: dict[str, Any]) -> None:
         G = self.cfg.train.group_size
