@@ -42,7 +42,7 @@ TINY = [
     "train.sampling.max_new_tokens=3",
 ]
 STEPS, TASKS, GROUP = 3, 4, 4
-SKIP_PREFIXES = ("time/", "perf/", "sync/", "async/", "recovery/")
+SKIP_PREFIXES = ("time/", "perf/", "sync/", "async/", "recovery/", "handover/")
 
 
 @pytest.fixture(scope="module")

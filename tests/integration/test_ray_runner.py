@@ -17,7 +17,7 @@ from gyre import loop, runners, sft  # noqa: E402
 from gyre.config import load_config  # noqa: E402
 
 STEPS, TASKS, GROUP = 3, 4, 4
-SKIP_PREFIXES = ("time/", "perf/", "sync/", "async/", "recovery/")
+SKIP_PREFIXES = ("time/", "perf/", "sync/", "async/", "recovery/", "handover/")
 
 
 @pytest.fixture(scope="module")
