@@ -1,10 +1,13 @@
-"""Does this machine run a burst of work slower right after an idle gap?
+"""Does this machine run a burst of work at another speed after an idle gap, or beside a busy
+neighbour?
 
 A sync Ray run alternates the roles: each actor computes, then sleeps while the other one
 works. ``gyre plan`` takes one throughput per role; if a core is slower right after idling (a
-virtual CPU given back to the host, a lower clock), a throughput measured in alternation does
-not hold when the roles overlap. This times the same one-thread matmul burst back to back and
-after ``--gap`` seconds of sleep, interleaved ``--repeats`` times, and prints the ratio.
+virtual CPU given back to the host, a lower clock), or faster while the other core is busy, a
+throughput measured in alternation does not hold when the roles overlap. This times the same
+one-thread matmul burst back to back, after ``--gap`` seconds of sleep, and back to back while
+another process spins on the other core, interleaved ``--repeats`` times, and prints the
+ratios to the first.
 
     python bench/cpu_idle_gap.py --repeats 5
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -34,18 +39,29 @@ def main() -> None:
     torch.set_num_threads(1)
     a = torch.randn(256, 256)
     burst(a, 50)
-    ratios = []
+    after_idle, beside_busy = [], []
     for r in range(args.repeats):
-        busy = statistics.median(burst(a, 400) for _ in range(args.bursts))
+        alone = statistics.median(burst(a, 400) for _ in range(args.bursts))
         gapped = []
         for _ in range(args.bursts):
             time.sleep(args.gap)
             gapped.append(burst(a, 400))
-        idle = statistics.median(gapped)
-        ratios.append(idle / busy)
-        print(f"repeat {r}: back to back {busy:.4f} s, after {args.gap} s idle {idle:.4f} s, "
-              f"ratio {idle / busy:.2f}", flush=True)  # fmt: skip
-    print(f"median ratio (after idle / back to back): {statistics.median(ratios):.2f}")
+        spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.2)
+            beside = statistics.median(burst(a, 400) for _ in range(args.bursts))
+        finally:
+            spin.kill()
+            spin.wait()
+        after_idle.append(statistics.median(gapped) / alone)
+        beside_busy.append(beside / alone)
+        print(
+            f"repeat {r}: back to back {alone:.4f} s; after {args.gap} s idle "
+            f"x{after_idle[-1]:.2f}; beside a busy core x{beside_busy[-1]:.2f}",
+            flush=True,
+        )
+    print(f"median, beside a busy core / back to back: {statistics.median(beside_busy):.2f}")
+    print(f"median, after idle / back to back: {statistics.median(after_idle):.2f}")
 
 
 if __name__ == "__main__":
