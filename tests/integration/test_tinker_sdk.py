@@ -273,13 +273,24 @@ def test_bad_requests_name_the_field_and_the_server_survives(served, client):
     )
 
 
+def _kill_9(proc: subprocess.Popen) -> None:
+    """SIGKILL to the server's process group (the server and the Ray it started, as when its
+    machine or container dies)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, 9)
+    proc.wait(timeout=30)
+
+
 @pytest.mark.slow  # two server start-ups in subprocesses: ~80 s on 2 busy cores
-def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path):
-    """A save the client saw acknowledged survives SIGKILL of the server."""
+@pytest.mark.parametrize("runner", ["local", "ray"])
+def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path, runner):
+    """A save the client saw acknowledged survives SIGKILL of the server; with ``runner=ray``
+    the server (the real CLI) starts its own local Ray with the trainer and a sampler as
+    actors, and the restarted server's new actors load the state."""
     from serve_helpers import free_port
 
     port, state = free_port(), tmp_path / "state"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
     cmd = [
         sys.executable,
         "-m",
@@ -290,10 +301,13 @@ def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path):
         f"state_dir={state}",
         "long_poll_s=2",
     ]
+    if runner == "ray":
+        cmd += ["runner=ray", "ray.num_cpus=2"]
     url = f"http://127.0.0.1:{port}"
 
     def up() -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        out = subprocess.DEVNULL  # its own process group: the Ray it started dies with it
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -301,7 +315,7 @@ def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path):
                     return proc
             except httpx.TransportError:
                 time.sleep(0.2)
-        proc.kill()
+        _kill_9(proc)
         raise RuntimeError("server did not start")
 
     proc = up()
@@ -318,8 +332,7 @@ def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path):
         tail = _steps(tc, data, 2)  # what training would have done next
         tc.load_state_with_optimizer(path).result()
         tc.forward_backward(data, "cross_entropy")  # in flight when the server dies
-        proc.kill()
-        proc.wait(timeout=30)
+        _kill_9(proc)
         proc = up()
         sc2 = tinker.ServiceClient(base_url=url, api_key=KEY)
         back = sc2.create_training_client_from_state_with_optimizer(path).result()
@@ -330,8 +343,7 @@ def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path):
         assert again.compute_logprobs(prompt).result() == seen
         sc2.close("success").result()
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        _kill_9(proc)
 
 
 @pytest.mark.slow  # SmolLM2-135M-Instruct on the CPU: a few minutes
