@@ -214,4 +214,3 @@ def test_the_ray_benches_overrides_make_a_ray_config() -> None:
     assert path is not None and path.name == "maze.yaml"
     cfg = load_config(path, overrides)
     assert cfg.runner == "ray" and cfg.train.level_replay.prob == 0
-

@@ -15,6 +15,18 @@ from gyre.config.base import (
 )
 
 
+def check_custom_resources(section: object, roles: tuple[str, ...]) -> None:
+    """Each role's ``resources`` are custom resources: positive amounts, not CPU/GPU/memory."""
+    for role in roles:
+        for name, amount in getattr(section, role).resources.items():
+            if name in ("CPU", "GPU", "memory") or amount <= 0:
+                raise ValueError(
+                    f"ray.{role}.resources: '{name}: {amount:g}': custom resources are "
+                    "positive amounts of names other than CPU, GPU and memory (those are "
+                    f"ray.{role}.num_cpus / num_gpus)"
+                )
+
+
 class RoleResources(Section):
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs one actor of this role reserves.")
     num_gpus: float = Field(
@@ -131,14 +143,7 @@ class RayConfig(Section):
 
     @model_validator(mode="after")
     def _check_roles(self) -> RayConfig:
-        for role in ("rollout", "trainer"):
-            for name, amount in getattr(self, role).resources.items():
-                if name in ("CPU", "GPU", "memory") or amount <= 0:
-                    raise ValueError(
-                        f"ray.{role}.resources: '{name}: {amount:g}': custom resources are "
-                        "positive amounts of names other than CPU, GPU and memory (those are "
-                        f"ray.{role}.num_cpus / num_gpus)"
-                    )
+        check_custom_resources(self, ("rollout", "trainer"))
         h = self.handover
         on = [k for k in ("sleep_engines", "offload_optimizer", "offload_weights") if getattr(h, k)]
         if on and self.placement != "colocated":

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gyre.config.ray import RoleResources
+from gyre.config.ray import RoleResources, check_custom_resources
 
 
 class TinkerRayConfig(BaseModel):
@@ -53,14 +53,7 @@ class TinkerRayConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_roles(self) -> TinkerRayConfig:
-        for role in ("trainer", "sampler"):
-            for name, amount in getattr(self, role).resources.items():
-                if name in ("CPU", "GPU", "memory") or amount <= 0:
-                    raise ValueError(
-                        f"ray.{role}.resources: '{name}: {amount:g}': custom resources are "
-                        "positive amounts of names other than CPU, GPU and memory (those are "
-                        f"ray.{role}.num_cpus / num_gpus)"
-                    )
+        check_custom_resources(self, ("trainer", "sampler"))
         return self
 
 
