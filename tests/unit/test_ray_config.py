@@ -34,6 +34,8 @@ def test_runner_defaults_to_local_and_ray_errors_name_the_fields():
         load_config(None, ["ray.mode=sometimes"])
     with pytest.raises(ConfigError, match=r"'runner'"):
         load_config(None, ["runner=slurm"])
+    with pytest.raises(ConfigError, match=r"ray\.rollout\.resources: 'gyre_rollout: 0'"):
+        load_config(None, ["runner=ray", "ray.rollout.resources={gyre_rollout: 0}"])
 
 
 def test_loop_and_algorithms_do_not_import_ray():
