@@ -49,3 +49,22 @@ def start_in_process(state_dir: Path, **overrides: object) -> LocalTinker:
         except httpx.TransportError:
             time.sleep(0.1)
     raise RuntimeError("tinker-serve did not come up")
+
+
+def sl_data(tok, reps: int = 1) -> list:
+    """Three short prompt -> answer data (``reps`` times) for cross-entropy: loss weights on the
+    answer tokens only."""
+    from tinker import types
+
+    out = []
+    for prompt, answer in [("2+2=", "4"), ("3+3=", "6"), ("hi ", "there")] * reps:
+        full = tok.encode(prompt + answer, add_special_tokens=False)
+        n = len(tok.encode(prompt, add_special_tokens=False))
+        weights = [0.0] * (n - 1) + [1.0] * (len(full) - n)
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(full[:-1]),
+                loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
+            )
+        )
+    return out

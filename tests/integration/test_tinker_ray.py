@@ -22,7 +22,7 @@ tinker = pytest.importorskip("tinker")
 ray = pytest.importorskip("ray")
 from tinker import types  # noqa: E402
 
-from tinker_helpers import start_in_process  # noqa: E402
+from tinker_helpers import sl_data, start_in_process  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -87,21 +87,6 @@ def _base(client) -> str:
     return client.get_server_capabilities().supported_models[0].model_name
 
 
-def _sl_data(tok, reps: int = 1) -> list[types.Datum]:
-    out = []
-    for prompt, answer in [("2+2=", "4"), ("3+3=", "6"), ("hi ", "there")] * reps:
-        full = tok.encode(prompt + answer, add_special_tokens=False)
-        n = len(tok.encode(prompt, add_special_tokens=False))
-        weights = [0.0] * (n - 1) + [1.0] * (len(full) - n)
-        out.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(full[:-1]),
-                loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
-            )
-        )
-    return out
-
-
 def _steps(tc, data, n: int) -> list[float]:
     losses = []
     for _ in range(n):
@@ -139,7 +124,7 @@ def test_sl_loop_and_sampling_match_the_one_process_server(on_ray, in_process):
         sc = _client(served)
         tc = sc.create_lora_training_client(base_model=_base(sc), rank=8, seed=1).result()
         tok = tc.get_tokenizer()
-        losses = _steps(tc, _sl_data(tok), 6)
+        losses = _steps(tc, sl_data(tok), 6)
         trained = _draw(tc.save_weights_and_get_sampling_client().result(), tok, seed=11)
         base = _draw(sc.create_sampling_client(base_model=_base(sc)), tok, seed=11)
         got[name] = losses, trained[:2], trained[2].prompt_logprobs, base[2].prompt_logprobs
@@ -155,12 +140,12 @@ def test_trainer_actor_killed_mid_call_then_load_state_continues_exactly(on_ray)
     sc = _client(on_ray)
     tc = sc.create_lora_training_client(base_model=_base(sc), rank=4, seed=3).result()
     other = sc.create_lora_training_client(base_model=_base(sc), rank=4, seed=4).result()
-    data = _sl_data(tc.get_tokenizer())
+    data = sl_data(tc.get_tokenizer())
     _steps(tc, data, 2)
     path = tc.save_state("before-kill").result().path
     tail = _steps(tc, data, 2)  # what an uninterrupted run does next
     # ~30k tokens: seconds of work, so the kill lands while the call is queued or running
-    long = tc.forward_backward(_sl_data(tc.get_tokenizer(), reps=2000), "cross_entropy")
+    long = tc.forward_backward(sl_data(tc.get_tokenizer(), reps=2000), "cross_entropy")
     time.sleep(0.5)
     ray.kill(on_ray.service.backend.train.actor, no_restart=False)
     with pytest.raises(tinker.RequestFailedError, match="trainer actor died") as died:

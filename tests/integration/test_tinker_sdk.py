@@ -15,7 +15,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tinker_helpers import start_in_process  # noqa: E402
+from tinker_helpers import sl_data, start_in_process  # noqa: E402
 
 KEY = "tml-local-test"
 
@@ -39,21 +39,6 @@ def _base(client) -> str:
     return client.get_server_capabilities().supported_models[0].model_name
 
 
-def _sl_data(tok) -> list[types.Datum]:
-    out = []
-    for prompt, answer in [("2+2=", "4"), ("3+3=", "6"), ("hi ", "there")]:
-        full = tok.encode(prompt + answer, add_special_tokens=False)
-        n = len(tok.encode(prompt, add_special_tokens=False))
-        weights = [0.0] * (n - 1) + [1.0] * (len(full) - n)
-        out.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(full[:-1]),
-                loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
-            )
-        )
-    return out
-
-
 def _steps(tc, data, n: int, lr: float = 1e-2) -> list[float]:
     losses = []
     for _ in range(n):
@@ -71,7 +56,7 @@ def _logprobs(tc, data) -> list[np.ndarray]:
 def test_sl_loop_loss_falls_and_sampler_sees_the_adapter(client):
     tc = client.create_lora_training_client(base_model=_base(client), rank=8, seed=1).result()
     tok = tc.get_tokenizer()
-    data = _sl_data(tok)
+    data = sl_data(tok)
     losses = _steps(tc, data, 10)
     assert losses[-1] < 0.5 * losses[0], losses
     sampler = tc.save_weights_and_get_sampling_client().result()
@@ -137,7 +122,7 @@ def test_rl_loop_learns_to_answer_with_a_digit(client):
 def test_save_load_state_resumes_bit_exactly(client):
     base = _base(client)
     a = client.create_lora_training_client(base_model=base, rank=4, seed=3).result()
-    data = _sl_data(a.get_tokenizer())
+    data = sl_data(a.get_tokenizer())
     _steps(a, data, 2)
     path = a.save_state("after-2").result().path
     tail_a = _steps(a, data, 2)
@@ -162,7 +147,7 @@ def test_two_tenants_train_at_once_isolated(client):
     base = _base(client)
     alone = client.create_lora_training_client(base_model=base, rank=4, seed=5).result()
     tok = alone.get_tokenizer()
-    data = _sl_data(tok)
+    data = sl_data(tok)
     other = [
         types.Datum(
             model_input=types.ModelInput.from_ints(tok.encode("zzzz")[:-1]),
@@ -265,7 +250,7 @@ def test_bad_requests_name_the_field_and_the_server_survives(served, client):
         len(
             _steps(
                 client.create_lora_training_client(base_model=base, rank=4).result(),
-                _sl_data(tc.get_tokenizer()),
+                sl_data(tc.get_tokenizer()),
                 1,
             )
         )
@@ -322,7 +307,7 @@ def test_kill_9_then_load_state_loses_nothing_acknowledged(tmp_path, runner):
     try:
         sc = tinker.ServiceClient(base_url=url, api_key=KEY)
         tc = sc.create_lora_training_client(base_model=_base(sc), rank=4, seed=7).result()
-        data = _sl_data(tc.get_tokenizer())
+        data = sl_data(tc.get_tokenizer())
         _steps(tc, data, 2)
         path = tc.save_state("acked").result().path
         sampler_path = tc.save_weights_for_sampler("acked-sampler").result().path
