@@ -50,6 +50,9 @@ class TinkerRayConfig(BaseModel):
     startup_timeout_s: float = Field(
         600.0, gt=0, description="longest wait for the actors to start and load the base model"
     )
+    heartbeat_s: float = Field(
+        60.0, gt=0, description="a long actor call logs 'waiting for ...' this often"
+    )
 
     @model_validator(mode="after")
     def _check_roles(self) -> TinkerRayConfig:

@@ -143,7 +143,7 @@ class Calls:
 
         timeout = self.r.startup_timeout_s if startup else self.r.call_timeout_s
         key = f"ray.{'startup' if startup else 'call'}_timeout_s={timeout:g}"
-        hb = Heartbeat(stage, peer, timeout, 60.0)
+        hb = Heartbeat(stage, peer, timeout, self.r.heartbeat_s)
         while not ray.wait([ref], timeout=hb.slice())[0]:
             if hb.left <= 0:
                 fault = PeerFault("worker", stage, peer, hb.waited, key)
