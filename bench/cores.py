@@ -49,10 +49,15 @@ def _run(n: int) -> list[tuple[float, float]]:
     return out
 
 
-def main() -> int:
+def cpu_slowdown() -> tuple[tuple[float, float], list[tuple[float, float]], float]:
+    """(alone (wall, CPU s), concurrent [(wall, CPU s)] * 2, the CPU time ratio)."""
     alone = _run(1)[0]
     both = _run(2)
-    slow = max(c for _, c in both) / alone[1]
+    return alone, both, max(c for _, c in both) / alone[1]
+
+
+def main() -> int:
+    alone, both, slow = cpu_slowdown()
     print(f"alone: {alone[0]:.2f} s wall, {alone[1]:.2f} s CPU for {REPS} fwd+bwd")
     for w, c in both:
         print(f"concurrent: {w:.2f} s wall, {c:.2f} s CPU")

@@ -10,7 +10,7 @@
     gyre export RUN_DIR --out DIR              plain Hugging Face folder (LoRA merged)
     gyre import FILE.gguf --out DIR            a GGUF checkpoint as a Hugging Face folder
     gyre submit [CONFIG.yaml] [key=value ...] --address http://HEAD:8265   run train as a Ray job
-    gyre plan [RUN_DIR] --nodes N              where rollout and training go on N nodes
+    gyre plan [RUN_DIR ...] --nodes N          where rollout and training go on N nodes
 
 Exit codes: 0 done, 1 error, 2 config or input error (a key, a file, a dataset row: named on
 one line), 3 aborted by a fault policy (faults.*, or nan/inf weights after an update), 75 stopped
@@ -96,7 +96,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
             p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
             p.add_argument("--workdir", default="", help="where both runs go (default: a temp dir)")
     sub.add_parser("report", help="HTML report of a run: gyre report RUN_DIR [--out] [--watch]")
-    sub.add_parser("plan", help="placement planner: gyre plan [RUN_DIR] --nodes N")
+    sub.add_parser("plan", help="placement planner: gyre plan [RUN_DIR ...] --nodes N")
     _add_submit(sub)
     # dispatched before this parser (their own flags); listed here so that --help names them
     sub.add_parser("serve", help="serve a model over HTTP: gyre serve --help")

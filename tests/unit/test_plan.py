@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gyre.cli import main
-from gyre.commands.plan import Throughputs, Workload, measure, plan, predict
+from gyre.commands.plan import Throughputs, Workload, calibrate, measure, plan, predict
 
 # g = 100 tok/s per engine, t = 300 tok/s per rank, 2 s per GB; R = 1200, T = 1800 tokens, 1 GB
 TP = Throughputs(100.0, 300.0, 2.0, overhead_s=0.5, handover_s=1.0)
@@ -102,3 +102,70 @@ def test_a_colocated_runs_hand_over_is_measured_as_h(tmp_path):
     # the run itself, colocated on one node, is predicted as measured
     assert predict(tp, wl, "colocated", 1).step_s == pytest.approx(2.45)
     assert predict(tp, wl, "disaggregated", 2, 1).step_s == pytest.approx(2.3)
+
+
+def _write_run(path, rows: list[dict], tasks: int, workers: int = 1, ranks: int = 1) -> None:
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ray = f"ray:\n  rollout_workers: {workers}\n  trainer_ranks: {ranks}\n  tasks_per_share: 0\n"
+    (path / "config.yaml").write_text(f"train:\n  tasks_per_step: {tasks}\n{ray}")
+
+
+def test_two_batch_sizes_separate_the_fixed_seconds_of_a_call_and_a_rank(tmp_path, capsys):
+    """An engine call costs a_g + tokens / g and a rank's update a_t + tokens / t. Runs of two
+    batch sizes give both; the planner then predicts that half a batch on each of two engines
+    takes longer than half the time."""
+    # g = 1000 tok/s with a_g = 0.2 s; t = 500 tok/s with a_t = 0.1 s; 32 samples x 10 tokens
+    small = _run_rows(
+        2.0,
+        **{
+            "time/gen_actor_s": 0.2 + 320 / 1000 + 0.05,
+            "train/tokens": 320.0,
+            "time/trainer_update_s": 0.1 + 320 / 500,
+        },
+    )
+    # twice the batch (64 samples): the same fixed seconds, twice the work
+    big = _run_rows(
+        2.0,
+        **{
+            "time/gen_actor_s": 0.2 + 640 / 1000 + 0.05,
+            "train/tokens": 640.0,
+            "time/trainer_update_s": 0.1 + 640 / 500,
+        },
+    )
+    for r in big[1:]:
+        r["perf/samples_per_s"] = 64 / 2.0
+    # and a run of two engines and two ranks, one call each (160 tokens per call and per rank)
+    two = _run_rows(
+        2.0,
+        **{
+            "time/gen_actor_s": 2 * (0.2 + 160 / 1000) + 0.05,
+            "train/tokens": 320.0,
+            "time/trainer_update_s": 0.1 + 160 / 500,
+        },
+    )
+    _write_run(tmp_path / "small", small, tasks=4)
+    _write_run(tmp_path / "big", big, tasks=8)
+    _write_run(tmp_path / "two", two, tasks=4, workers=2, ranks=2)
+    tp, wl = calibrate([tmp_path / "small", tmp_path / "big", tmp_path / "two"])
+    assert (tp.rollout_fixed_s, tp.rollout_tokens_per_s) == pytest.approx((0.2, 1e3))
+    assert (tp.trainer_fixed_s, tp.trainer_tokens_per_s) == pytest.approx((0.1, 500))
+    assert wl.rollout_tokens == 320.0  # the step's work comes from the first run
+    # colocated on 2 nodes: gen 0.2 + 320 / 2000, train 0.1 + 320 / 1000, not half of one node's
+    c2 = predict(tp, wl, "colocated", 2)
+    assert (c2.gen_s, c2.train_s) == pytest.approx((0.36, 0.42))
+    one, _ = measure(tmp_path / "small")  # one run: the fixed seconds folded into the rates
+    assert one.rollout_fixed_s == one.trainer_fixed_s == 0.0
+    assert predict(one, wl, "colocated", 2).gen_s == pytest.approx((0.2 + 0.32) / 2)
+    assert main(["plan", str(tmp_path / "small"), str(tmp_path / "big"), "--nodes", "2"]) == 0
+    assert "best over 2 nodes" in capsys.readouterr().out
+
+
+def test_runs_of_one_batch_size_cannot_separate_the_fixed_seconds(tmp_path):
+    for name in ("a", "b"):
+        _write_run(tmp_path / name, _run_rows(2.0), tasks=4)
+    with pytest.raises(ValueError, match=r"same work per engine call .*\(train.tasks_per_step\)"):
+        calibrate([tmp_path / "a", tmp_path / "b"])
+    (tmp_path / "a" / "config.yaml").unlink()
+    with pytest.raises(FileNotFoundError, match=r"config\.yaml: no config"):
+        calibrate([tmp_path / "a", tmp_path / "b"])

@@ -9,8 +9,10 @@ each, or one node = one unit of whatever a role reserves), every placement gyre 
              c_r  seconds a rollout call costs beyond the engines' work (Ray, transfer)
              c_t  seconds the update call costs beyond the ranks' work (Ray, transfer)
              o  the driver's own seconds per step       h  colocated hand-over seconds per step
-    times    gen = R / (g r)      train = T / (t m)     sync = s W
-             (r rollout nodes, m trainer nodes; data parallel over m ranks is taken as linear)
+             a_g  an engine call's seconds that do not shrink with its batch
+             a_t  a rank's update seconds that do not shrink with its shard
+    times    gen = a_g + R / (g r)      train = a_t + T / (t m)     sync = s W
+             (r rollout nodes, m trainer nodes, each engine one call per step)
 
     colocated       r = m = N      step = gen + c_r + train + c_t + sync + h + o
     disaggregated   r + m = N      step = gen + c_r + train + c_t + sync + o        (mode sync)
@@ -29,9 +31,16 @@ by more than the staleness bound, so both are limited by the slower role; async 
 step-to-step jitter of the two times, which this model of mean times does not see. For each mode
 with a split the planner tries every r = 1 .. N-1 and reports the split with the shortest step.
 
-The inputs come from a finished run (``gyre plan RUN_DIR``: medians over its steps after the
-first, see :func:`measure`) or from the command line. docs/cluster.md shows the calibration on
-a local multi-node Ray cluster and the comparison with published step-time breakdowns.
+a_g and a_t are why splitting a small batch over more engines or ranks gains less than the
+split: a decode step reads all the weights whatever the batch (on a GPU; on a CPU, the per-step
+launch overhead), and every data-parallel rank runs the whole optimizer step and the gradient
+all-reduce. One run cannot separate them from g and t, so they are 0 unless two or more runs of
+different batch sizes are given (:func:`calibrate` fits time = a + work / rate over their calls).
+
+The inputs come from finished runs (``gyre plan RUN_DIR [RUN_DIR ...]``: medians over the steps
+after the first, see :func:`measure`) or from the command line. docs/cluster.md shows the
+calibration on a local multi-node Ray cluster and the comparison with published step-time
+breakdowns.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ class Throughputs:
     handover_s: float = 0.0  # colocated: engine sleep + wake and trainer offload per step (h)
     rollout_call_s: float = 0.0  # a step's rollout calls beyond the engines' work (c_r)
     train_call_s: float = 0.0  # the update call beyond the ranks' work (c_t)
+    rollout_fixed_s: float = 0.0  # an engine call's seconds whatever its batch (a_g)
+    trainer_fixed_s: float = 0.0  # a rank's update seconds whatever its shard (a_t)
 
 
 @dataclass
@@ -88,8 +99,8 @@ def predict(
         r, m = rollout_nodes, nodes - rollout_nodes
         if r < 1 or m < 1:
             raise ValueError(f"{mode} needs 1 <= rollout nodes < {nodes} (got {r})")
-    gen = wl.rollout_tokens / (tp.rollout_tokens_per_s * r)
-    train = wl.train_tokens / (tp.trainer_tokens_per_s * m)
+    gen = tp.rollout_fixed_s + wl.rollout_tokens / (tp.rollout_tokens_per_s * r)
+    train = tp.trainer_fixed_s + wl.train_tokens / (tp.trainer_tokens_per_s * m)
     sync = tp.sync_s_per_gb * wl.weights_gb
     gen_path = gen + tp.rollout_call_s
     train_path = train + tp.train_call_s + sync + tp.overhead_s
@@ -132,10 +143,7 @@ def _is_handover_time(key: str) -> bool:
     return key.startswith("handover/") and key.endswith("_s")
 
 
-def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
-    """Throughputs and one step's work from a Ray run's ``metrics.jsonl`` (medians over the
-    steps after the first; best from a ``ray.mode=sync`` run, whose phases do not overlap).
-    h is the sum of the run's ``handover/*_s`` metrics: 0 unless the run was colocated."""
+def _metric_rows(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics (give a finished run's run.dir)")
@@ -143,6 +151,15 @@ def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
     rows = [r for r in rows if "train/loss" in r and r.get("step", 0) > 1]
     if not rows:
         raise ValueError(f"{path}: no step after the first to measure")
+    return rows
+
+
+def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
+    """Throughputs and one step's work from a Ray run's ``metrics.jsonl`` (medians over the
+    steps after the first; best from a ``ray.mode=sync`` run, whose phases do not overlap).
+    h is the sum of the run's ``handover/*_s`` metrics: 0 unless the run was colocated.
+    a_g and a_t stay 0: one run cannot tell them from g and t (see :func:`calibrate`)."""
+    rows = _metric_rows(run_dir)
     samples = _median(rows, "perf/samples_per_s") * _median(rows, "time/step_s")
     rollout_tokens = samples * _median(rows, "rollout/response_tokens_mean")
     gen_call = _median(rows, "time/gen_actor_s")  # inside the rollout calls, the load included
@@ -169,6 +186,61 @@ def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
     return tp, Workload(rollout_tokens, train_tokens, gb)
 
 
+def _calls(run_dir: Path) -> tuple[int, int]:
+    """(engine calls per step, trainer ranks) from the run's ``config.yaml``."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config (give a finished run's run.dir)")
+    cfg = yaml.safe_load(path.read_text()) or {}
+    ray, tasks = cfg.get("ray") or {}, int((cfg.get("train") or {}).get("tasks_per_step", 0))
+    workers, ranks = int(ray.get("rollout_workers", 1)), int(ray.get("trainer_ranks", 1))
+    share = int(ray.get("tasks_per_share") or 0) or max(1, tasks // max(workers, 1))
+    return max(1, -(-tasks // share)), max(1, ranks)
+
+
+def _affine(points: list[tuple[float, float]], what: str) -> tuple[float, float]:
+    """Least squares of seconds = fixed + work / rate over (work, seconds); (fixed, rate)."""
+    works = [w for w, _ in points]
+    if max(works) - min(works) <= 1e-6 * max(works):
+        raise ValueError(
+            f"every run has the same {what} ({works[0]:.0f} tokens): the fixed seconds need "
+            "runs of different batch sizes (train.tasks_per_step)"
+        )
+    n = len(points)
+    mw, ms = sum(works) / n, sum(s for _, s in points) / n
+    slope = sum((w - mw) * (s - ms) for w, s in points) / sum((w - mw) ** 2 for w in works)
+    fixed = ms - slope * mw
+    if fixed < 0:  # no fixed cost to see: the line through the origin
+        fixed, slope = 0.0, sum(w * s for w, s in points) / sum(w * w for w in works)
+    if slope <= 0:
+        raise ValueError(f"{what}: the seconds do not grow with the work across these runs")
+    return fixed, 1 / slope
+
+
+def calibrate(run_dirs: list[Path]) -> tuple[Throughputs, Workload]:
+    """:func:`measure` of the first run; with two or more runs of different batch sizes, g, a_g,
+    t and a_t are fitted instead over every run's engine calls (tokens and seconds per call,
+    from ``time/gen_actor_s`` less the weight load) and rank updates (``train/tokens`` per rank,
+    ``time/trainer_update_s``)."""
+    tp, wl = measure(run_dirs[0])
+    if len(run_dirs) < 2:
+        return tp, wl
+    gen_points, train_points = [], []
+    for d in run_dirs:
+        rows, (calls, ranks) = _metric_rows(d), _calls(d)
+        samples = _median(rows, "perf/samples_per_s") * _median(rows, "time/step_s")
+        tokens = samples * _median(rows, "rollout/response_tokens_mean")
+        gen = _median(rows, "time/gen_actor_s") - _median(rows, "time/sync_load_s")
+        gen_points.append((tokens / calls, max(gen, 1e-9) / calls))
+        train_points.append((_median(rows, "train/tokens") / ranks,
+                             _median(rows, "time/trainer_update_s")))  # fmt: skip
+    tp.rollout_fixed_s, tp.rollout_tokens_per_s = _affine(gen_points, "work per engine call")
+    tp.trainer_fixed_s, tp.trainer_tokens_per_s = _affine(train_points, "work per rank")
+    return tp, wl
+
+
 def format_plan(preds: list[Prediction], nodes: int) -> str:
     head = f"{'mode':<14} {'rollout':>7} {'trainer':>7} {'gen s':>7} {'train s':>7} "
     head += f"{'sync s':>7} {'step s':>7} {'util r':>6} {'util t':>6} {'idle':>5}"
@@ -189,10 +261,10 @@ def format_plan(preds: list[Prediction], nodes: int) -> str:
     return "\n".join(lines)
 
 
-def run_plan(run_dir: str | None, nodes: int, given: dict[str, float], as_json: bool) -> str:
+def run_plan(run_dirs: list[str], nodes: int, given: dict[str, float], as_json: bool) -> str:
     """``gyre plan``: measure (or take ``given``), plan, format."""
-    if run_dir:
-        tp, wl = measure(Path(run_dir))
+    if run_dirs:
+        tp, wl = calibrate([Path(d) for d in run_dirs])
     else:
         tp, wl = Throughputs(0, 0, 0), Workload(0, 0, 0)
     for k, v in given.items():
@@ -222,16 +294,23 @@ def run_plan(run_dir: str | None, nodes: int, given: dict[str, float], as_json: 
 
 
 def main(argv: list[str]) -> int:
-    """``gyre plan [RUN_DIR] --nodes N [--rollout-tokens-per-s X ...] [--json]``."""
+    """``gyre plan [RUN_DIR ...] --nodes N [--rollout-tokens-per-s X ...] [--json]``."""
     import argparse
 
     p = argparse.ArgumentParser(
         prog="gyre plan",
         description="Predict step time, per-role utilisation and idle time of every placement "
-        "over N nodes, from a finished Ray run's measured throughputs (RUN_DIR) and/or the "
+        "over N nodes, from finished Ray runs' measured throughputs (RUN_DIR) and/or the "
         "figures given; print the fastest split.",
     )
-    p.add_argument("run_dir", nargs="?", help="a finished Ray run (ray.mode=sync is best)")
+    p.add_argument(
+        "run_dirs",
+        nargs="*",
+        metavar="RUN_DIR",
+        help="finished Ray runs (ray.mode=sync is best); the first gives the step's work and "
+        "overheads, two or more of different batch sizes also the fixed seconds per engine "
+        "call and per rank update",
+    )
     p.add_argument("--nodes", type=int, required=True, help="nodes (devices) to split")
     fields = [*Throughputs.__dataclass_fields__, *Workload.__dataclass_fields__]
     for name in fields:
@@ -241,5 +320,5 @@ def main(argv: list[str]) -> int:
     if ns.nodes < 1:
         raise ValueError("--nodes must be >= 1")
     given = {k: getattr(ns, k) for k in fields if getattr(ns, k) is not None}
-    print(run_plan(ns.run_dir, ns.nodes, given, ns.json))
+    print(run_plan(ns.run_dirs, ns.nodes, given, ns.json))
     return 0
