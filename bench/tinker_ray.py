@@ -17,7 +17,6 @@ The last line printed is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tinker_helpers import start_in_process
+from tinker_helpers import bench_args, random_sl_data, start_in_process
 
 
 def _round(tc, sampler, data, prompt, args, seed: int) -> tuple[float, float]:
@@ -48,14 +47,7 @@ def _round(tc, sampler, data, prompt, args, seed: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model-path", default="")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--length", type=int, default=64)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    args = bench_args(__doc__)
     torch.set_num_threads(1)
     import tinker
     from tinker import types
@@ -74,16 +66,9 @@ def main() -> None:
         tc = sc.create_lora_training_client(base_model=served.service.host.name, rank=8).result()
         clients[name] = (tc, tc.save_weights_and_get_sampling_client().result())
     vocab = servers["local"].service.host.vocab
-    seqs = [
-        torch.randint(3, vocab, (args.length,), generator=g).tolist() for _ in range(args.batch)
-    ]
-    data = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]}
-        )
-        for s in seqs
-    ]
-    prompt = types.ModelInput.from_ints(torch.randint(3, vocab, (16,), generator=g).tolist())
+    _, data = random_sl_data(vocab, args.batch, args.length, g)
+    prompt_ids = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
+    prompt = types.ModelInput.from_ints(prompt_ids)
     rows: dict[str, list[float]] = {}
     for r in range(args.rounds):
         for name in ("local", "ray") if r % 2 == 0 else ("ray", "local"):

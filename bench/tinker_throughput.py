@@ -23,7 +23,6 @@ The last line printed is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -40,7 +39,7 @@ from gyre.models.build import load_pretrained
 from gyre.models.lora import apply_lora
 from gyre.trainer.batch import collate, token_logprobs
 from gyre.types import GenerationRequest, SamplingParams, Trajectory
-from tinker_helpers import start_in_process
+from tinker_helpers import bench_args, random_sl_data, start_in_process
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -58,15 +57,7 @@ def _gyre_train_step(model, opt, seqs: list[list[int]], pad: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model-path", default="")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--length", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    args = bench_args(__doc__)
     torch.set_num_threads(1)
     import tinker
     from tinker import types
@@ -85,15 +76,7 @@ def main() -> None:
     engine = TorchEngine(load_pretrained(path, torch.device("cpu"))[0], tok.pad_token_id or 0)
     vocab = len(tok)
     g = torch.Generator().manual_seed(0)
-    seqs = [
-        torch.randint(3, vocab, (args.length,), generator=g).tolist() for _ in range(args.batch)
-    ]
-    data = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]}
-        )
-        for s in seqs
-    ]
+    seqs, data = random_sl_data(vocab, args.batch, args.length, g)
     prompt = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
     n, gsz = args.new_tokens, args.samples
     rows: dict[str, list[float]] = {

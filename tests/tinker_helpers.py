@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from dataclasses import dataclass
@@ -68,3 +69,31 @@ def sl_data(tok, reps: int = 1) -> list:
             )
         )
     return out
+
+
+def bench_args(doc: str | None) -> argparse.Namespace:
+    """The SDK benches' shared flags: the model, the training batch and the sampling shape."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--model-path", default="", help="a model folder (default: the tiny model)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per forward_backward")
+    ap.add_argument("--length", type=int, default=64, help="tokens per training sequence")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens of the sample call")
+    ap.add_argument("--samples", type=int, default=8, help="sequences per sample call")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens each sample writes")
+    ap.add_argument("--rounds", type=int, default=5)
+    return ap.parse_args()
+
+
+def random_sl_data(vocab: int, batch: int, length: int, g: object) -> tuple[list, list]:
+    """``batch`` random token sequences of ``length`` and their cross-entropy data."""
+    import torch
+    from tinker import types
+
+    seqs = [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]}
+        )
+        for s in seqs
+    ]
+    return seqs, data

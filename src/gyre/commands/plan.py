@@ -194,9 +194,11 @@ def _calls(run_dir: Path) -> tuple[int, int]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config (give a finished run's run.dir)")
     cfg = yaml.safe_load(path.read_text()) or {}
-    ray, tasks = cfg.get("ray") or {}, int((cfg.get("train") or {}).get("tasks_per_step", 0))
-    workers, ranks = int(ray.get("rollout_workers", 1)), int(ray.get("trainer_ranks", 1))
-    share = int(ray.get("tasks_per_share") or 0) or max(1, tasks // max(workers, 1))
+    placement = cfg.get("ray") or {}
+    tasks = int((cfg.get("train") or {}).get("tasks_per_step", 0))
+    workers = int(placement.get("rollout_workers", 1))
+    ranks = int(placement.get("trainer_ranks", 1))
+    share = int(placement.get("tasks_per_share") or 0) or max(1, tasks // max(workers, 1))
     return max(1, -(-tasks // share)), max(1, ranks)
 
 
