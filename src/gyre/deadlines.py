@@ -90,6 +90,22 @@ class Heartbeat:
         return max(0.0, min(self.left, self.every_s if self.every_s > 0 else self.left))
 
 
+def ray_ready(
+    refs: list[Any], hb: Heartbeat, fault: Callable[[], Exception]
+) -> tuple[list[Any], list[Any]]:
+    """``ray.wait(refs, num_returns=1)`` in heartbeat slices until one ref is ready: (ready,
+    pending). Past ``hb``'s deadline, ``fault()`` is raised instead."""
+    import ray
+
+    while True:
+        if hb.left <= 0:
+            raise fault()
+        ready, pending = ray.wait(refs, num_returns=1, timeout=hb.slice())
+        if ready:
+            return ready, pending
+        hb.beat()
+
+
 def call_with_deadline(
     fn: Callable[[], T],
     kind: str,

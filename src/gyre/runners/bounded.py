@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from gyre.config.ops import FaultsConfig
-from gyre.deadlines import Heartbeat, PeerFault
+from gyre.deadlines import Heartbeat, PeerFault, ray_ready
 
 
 class Waits:
@@ -34,10 +34,12 @@ class Waits:
         every = list(refs) if isinstance(refs, list) else [refs]
         pending, checked = list(every), 0
         hb = Heartbeat(stage, peer, timeout_s, self.f.heartbeat_s)
+
+        def fault() -> PeerFault:
+            return PeerFault(kind, stage, peer, hb.waited, key)
+
         while pending:
-            if hb.left <= 0:
-                raise PeerFault(kind, stage, peer, hb.waited, key)
-            _, pending = ray.wait(pending, num_returns=1, timeout=hb.slice())
+            _, pending = ray_ready(pending, hb, fault)
             if kind == "trainer" and pending and len(every) - len(pending) > checked:
                 checked = len(every) - len(pending)
                 _stuck_in_a_collective(every, pending)
@@ -49,17 +51,9 @@ class Waits:
 
     def any(self, refs: list[Any], kind: str, stage: str, peer: str) -> list[Any]:
         """The first ready refs of ``refs`` (``ray.wait(num_returns=1)``), within the deadline."""
-        import ray
-
         timeout_s, key = self._deadline(False)
         hb = Heartbeat(stage, peer, timeout_s, self.f.heartbeat_s)
-        while True:
-            if hb.left <= 0:
-                raise PeerFault(kind, stage, peer, hb.waited, key)
-            ready, _ = ray.wait(refs, num_returns=1, timeout=hb.slice())
-            if ready:
-                return ready
-            hb.beat()
+        return ray_ready(refs, hb, lambda: PeerFault(kind, stage, peer, hb.waited, key))[0]
 
     def _deadline(self, startup: bool) -> tuple[float, str]:
         s = self.f.startup_timeout_s if startup else self.f.call_timeout_s

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from gyre.config.ray import RoleResources
-from gyre.deadlines import Heartbeat, PeerFault
+from gyre.deadlines import Heartbeat, PeerFault, ray_ready
 from gyre.tinker.config import TinkerRayConfig, TinkerServeConfig
 from gyre.tinker.custom_loss import CustomLoss
 from gyre.tinker.errors import TinkerError
@@ -144,11 +144,12 @@ class Calls:
         timeout = self.r.startup_timeout_s if startup else self.r.call_timeout_s
         key = f"ray.{'startup' if startup else 'call'}_timeout_s={timeout:g}"
         hb = Heartbeat(stage, peer, timeout, self.r.heartbeat_s)
-        while not ray.wait([ref], timeout=hb.slice())[0]:
-            if hb.left <= 0:
-                fault = PeerFault("worker", stage, peer, hb.waited, key)
-                raise ActorGone(str(fault), fault=fault)
-            hb.beat()
+
+        def gone() -> ActorGone:
+            fault = PeerFault("worker", stage, peer, hb.waited, key)
+            return ActorGone(str(fault), fault=fault)
+
+        ray_ready([ref], hb, gone)
         try:
             return ray.get(ref, timeout=max(hb.left, 1.0))  # ready: returns at once
         except (RayActorError, ActorUnavailableError) as exc:
