@@ -33,9 +33,10 @@ with a split the planner tries every r = 1 .. N-1 and reports the split with the
 
 a_g and a_t are why splitting a small batch over more engines or ranks gains less than the
 split: a decode step reads all the weights whatever the batch (on a GPU; on a CPU, the per-step
-launch overhead), and every data-parallel rank runs the whole optimizer step and the gradient
-all-reduce. One run cannot separate them from g and t, so they are 0 unless two or more runs of
-different batch sizes are given (:func:`calibrate` fits time = a + work / rate over their calls).
+launch overhead), and every data-parallel rank runs the whole optimizer step (the gradient
+all-reduce too, which calibration runs of one rank do not see). One run cannot separate them
+from g and t, so they are 0 unless two or more runs of different batch sizes are given
+(:func:`calibrate` fits time = a + work / rate over their calls).
 
 The inputs come from finished runs (``gyre plan RUN_DIR [RUN_DIR ...]``: medians over the steps
 after the first, see :func:`measure`) or from the command line. docs/cluster.md shows the
@@ -154,14 +155,19 @@ def _metric_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+def _rollout_tokens(rows: list[dict]) -> float:
+    """Tokens generated per step: samples per step times the mean response length."""
+    samples = _median(rows, "perf/samples_per_s") * _median(rows, "time/step_s")
+    return samples * _median(rows, "rollout/response_tokens_mean")
+
+
 def measure(run_dir: Path) -> tuple[Throughputs, Workload]:
     """Throughputs and one step's work from a Ray run's ``metrics.jsonl`` (medians over the
     steps after the first; best from a ``ray.mode=sync`` run, whose phases do not overlap).
     h is the sum of the run's ``handover/*_s`` metrics: 0 unless the run was colocated.
     a_g and a_t stay 0: one run cannot tell them from g and t (see :func:`calibrate`)."""
     rows = _metric_rows(run_dir)
-    samples = _median(rows, "perf/samples_per_s") * _median(rows, "time/step_s")
-    rollout_tokens = samples * _median(rows, "rollout/response_tokens_mean")
+    rollout_tokens = _rollout_tokens(rows)
     gen_call = _median(rows, "time/gen_actor_s")  # inside the rollout calls, the load included
     gather, load = _median(rows, "time/sync_gather_s"), _median(rows, "time/sync_load_s")
     gen = max(gen_call - load, 1e-9)  # the weight load is counted once, as sync
@@ -232,12 +238,10 @@ def calibrate(run_dirs: list[Path]) -> tuple[Throughputs, Workload]:
     gen_points, train_points = [], []
     for d in run_dirs:
         rows, (calls, ranks) = _metric_rows(d), _calls(d)
-        samples = _median(rows, "perf/samples_per_s") * _median(rows, "time/step_s")
-        tokens = samples * _median(rows, "rollout/response_tokens_mean")
         gen = _median(rows, "time/gen_actor_s") - _median(rows, "time/sync_load_s")
-        gen_points.append((tokens / calls, max(gen, 1e-9) / calls))
-        train_points.append((_median(rows, "train/tokens") / ranks,
-                             _median(rows, "time/trainer_update_s")))  # fmt: skip
+        gen_points.append((_rollout_tokens(rows) / calls, max(gen, 1e-9) / calls))
+        update = _median(rows, "time/trainer_update_s")
+        train_points.append((_median(rows, "train/tokens") / ranks, update))
     tp.rollout_fixed_s, tp.rollout_tokens_per_s = _affine(gen_points, "work per engine call")
     tp.trainer_fixed_s, tp.trainer_tokens_per_s = _affine(train_points, "work per rank")
     return tp, wl
